@@ -1,0 +1,1 @@
+"""dynspec-patch: hosts, files and the CLI around the pure codemods in ``transforms``."""
