@@ -1,14 +1,959 @@
-"""Dynamic speculation disable for SGLang EAGLE workers (installed by dynspec-patch).
+"""Dynamic speculation disable for SGLang EAGLE / EAGLE3 workers (installed by dynspec-patch).
 
-This placeholder fails closed: ``maybe_fallback_v1`` and ``maybe_fallback_v2`` always
-return None, so the patched worker runs its normal speculative step. The real fallback
-replaces this file; the hooks and their call signatures stay the same.
+When the decode batch is larger than ``--speculative-disable-batch-threshold T`` the patched
+worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
+one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
+own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm.
+The state after a fallback step equals the state after a spec step whose drafts were all rejected,
+so speculation resumes without special handling.
+
+Safety rules:
+- every SGLang name this module touches is listed in ``NEEDS``; the adapter resolves them once per
+  process from the live worker module (``transforms/runtime_probe.py`` checks the same table
+  statically), and any missing name turns the feature off for the process (fail closed);
+- decisions use rank-identical integers only (batch sizes, step counters), never time.
+
+The module imports neither torch nor SGLang at import time: it must stay importable by the
+patcher's static probe and by CPU tests.
 """
 
+from __future__ import annotations
 
-def maybe_fallback_v1(worker, batch):
+import ast
+import contextlib
+import copy
+import dataclasses
+import inspect
+import logging
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+THRESHOLD_ARG = "speculative_disable_batch_threshold"
+DEFAULT_MIN_DWELL_STEPS = 8
+SUPPORTED_ALGORITHMS = frozenset({"EAGLE", "EAGLE3"})
+V1_WORKER_CLASS = "EAGLEWorker"
+V2_WORKER_CLASS = "EAGLEWorkerV2"
+
+
+# --------------------------------------------------------------------------------------------
+# Controller
+# --------------------------------------------------------------------------------------------
+
+
+def default_resume_below(threshold: int) -> int:
+    """Batch size at or below which speculation resumes: ``T - max(1, T // 8)``."""
+    return threshold - max(1, threshold // 8)
+
+
+def effective_batch_size(local_batch_size: int, global_num_tokens: list[int] | None) -> int:
+    """Batch size the decision uses: the max over DP ranks when they were all-gathered."""
+    if global_num_tokens:
+        return max(int(n) for n in global_num_tokens)
+    return int(local_batch_size)
+
+
+class DynSpecController:
+    """Hysteresis switch between speculative and fallback decode steps.
+
+    Enters fallback when the batch size is > ``threshold``, resumes speculation when it is
+    <= ``resume_below``, and stays at least ``min_dwell_steps`` decode steps in a mode before
+    switching. Inputs are integers only, so every TP rank fed the same batch sizes takes the
+    same decisions (ranks that diverged would hang in collectives).
+    """
+
+    def __init__(
+        self,
+        threshold: int,
+        resume_below: int | None = None,
+        min_dwell_steps: int = DEFAULT_MIN_DWELL_STEPS,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
+        if resume_below is None:
+            resume_below = default_resume_below(threshold)
+        if isinstance(resume_below, bool) or not isinstance(resume_below, int):
+            raise ValueError(f"resume_below must be an integer, got {resume_below!r}")
+        if not 0 <= resume_below < threshold:
+            raise ValueError(
+                f"resume_below must be in [0, threshold), got {resume_below} for {threshold}"
+            )
+        if isinstance(min_dwell_steps, bool) or not isinstance(min_dwell_steps, int):
+            raise ValueError(f"min_dwell_steps must be an integer, got {min_dwell_steps!r}")
+        if min_dwell_steps < 1:
+            raise ValueError(f"min_dwell_steps must be >= 1, got {min_dwell_steps}")
+        self.threshold = threshold
+        self.resume_below = resume_below
+        self.min_dwell_steps = min_dwell_steps
+        self._log = log
+        self.in_fallback = False
+        # The first switch may happen at once: a burst at start-up needs no warm-up dwell.
+        self.steps_in_mode = min_dwell_steps
+        self.n_fallback_steps = 0
+        self.n_spec_steps = 0
+        self.n_switches = 0
+
+    def decide(self, batch_size: int) -> bool:
+        """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
+        wants_fallback = (
+            batch_size > self.threshold if not self.in_fallback
+            else batch_size > self.resume_below
+        )
+        if wants_fallback != self.in_fallback and self.steps_in_mode >= self.min_dwell_steps:
+            self._switch(batch_size)
+        self.steps_in_mode += 1
+        if self.in_fallback:
+            self.n_fallback_steps += 1
+        else:
+            self.n_spec_steps += 1
+        return self.in_fallback
+
+    def _switch(self, batch_size: int) -> None:
+        before, after = ("fallback", "spec") if self.in_fallback else ("spec", "fallback")
+        previous_steps = self.steps_in_mode
+        self.in_fallback = not self.in_fallback
+        self.steps_in_mode = 0
+        self.n_switches += 1
+        if self._log is not None:
+            self._log(
+                f"[dynspec] {before} -> {after} at decode bs={batch_size} "
+                f"(threshold={self.threshold}, resume_below={self.resume_below}, "
+                f"steps_in_prev_mode={previous_steps}, switches={self.n_switches}, "
+                f"fallback_steps={self.n_fallback_steps}, spec_steps={self.n_spec_steps})"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# The names the runtime needs: one table, read by the adapter here and by runtime_probe.
+# --------------------------------------------------------------------------------------------
+
+# Scopes, i.e. where a name must exist (the probe maps each to source files):
+#   module       a global of the worker's module (import, def, class or assignment)
+#   worker       a member of the worker (method, property or instance attribute)
+#   draft_worker a member of the v2 draft worker (``worker.draft_worker``)
+#   fields       a dataclass field of the worker-module global named by ``owner``
+#   member       a class member (method / enum member) of the global named by ``owner``
+#   param        a parameter of method ``owner`` = "<Global>.<method>"
+#   target_param a parameter of the target worker's ``forward_batch_generation``
+#   runner_attr  an attribute of the target model runner
+#   batch_member a member of SGLang's ScheduleBatch
+
+
+@dataclass(frozen=True)
+class Need:
+    """One SGLang name the runtime uses; the first candidate found is the one used."""
+
+    key: str
+    scope: str
+    candidates: tuple[str, ...]
+    owner: str = ""
+    optional: bool = False
+    # Only required when another need resolved to a given candidate: (key, candidate).
+    when: tuple[str, str] | None = None
+    why: str = ""
+
+
+# Needs both worker variants share.
+_COMMON_NEEDS: tuple[Need, ...] = (
+    Need("verify_input_cls", "module", ("EagleVerifyInput",), why="one-node verify input"),
+    Need("draft_input_cls", "module", ("EagleDraftInput",), why="draft state class"),
+    Need("capture_mode_cls", "module", ("CaptureHiddenMode",), why="FULL hidden capture"),
+    Need("capture_full", "member", ("FULL",), owner="CaptureHiddenMode"),
+    Need("bitmask_fn", "module", ("generate_token_bitmask",), why="grammar mask of the tree"),
+    Need("vi_draft_token", "fields", ("draft_token",), owner="EagleVerifyInput"),
+    Need("vi_custom_mask", "fields", ("custom_mask",), owner="EagleVerifyInput"),
+    Need("vi_positions", "fields", ("positions",), owner="EagleVerifyInput"),
+    Need("vi_index", "fields", ("retrive_index", "retrieve_index"), owner="EagleVerifyInput"),
+    Need(
+        "vi_next_token",
+        "fields",
+        ("retrive_next_token", "retrieve_next_token"),
+        owner="EagleVerifyInput",
+    ),
+    Need(
+        "vi_next_sibling",
+        "fields",
+        ("retrive_next_sibling", "retrieve_next_sibling"),
+        owner="EagleVerifyInput",
+    ),
+    Need(
+        "vi_cum_len", "fields", ("retrive_cum_len", "retrieve_cum_len"), owner="EagleVerifyInput"
+    ),
+    Need("vi_spec_steps", "fields", ("spec_steps",), owner="EagleVerifyInput"),
+    Need("vi_draft_token_num", "fields", ("draft_token_num",), owner="EagleVerifyInput"),
+    Need("vi_capture_mode", "fields", ("capture_hidden_mode",), owner="EagleVerifyInput"),
+    Need("vi_topk", "fields", ("topk",), owner="EagleVerifyInput", optional=True),
+    Need("vi_seq_lens_sum", "fields", ("seq_lens_sum",), owner="EagleVerifyInput", optional=True),
+    Need("vi_seq_lens_cpu", "fields", ("seq_lens_cpu",), owner="EagleVerifyInput", optional=True),
+    Need("root_field", "fields", ("verified_id", "bonus_tokens"), owner="EagleDraftInput"),
+    Need("target_kwarg", "target_param", ("is_verify", "skip_sample"), why="logits only"),
+    Need(
+        "graph_attr",
+        "runner_attr",
+        ("graph_runner", "cuda_graph_runner", "decode_cuda_graph_runner"),
+        why="bypassed: the captured graph is TARGET_VERIFY",
+    ),
+    Need("moe_ctx", "module", ("speculative_moe_backend_context",), optional=True),
+    Need("moe_a2a_ctx", "module", ("speculative_moe_a2a_backend_context",), optional=True),
+)
+
+V1_NEEDS: tuple[Need, ...] = (
+    *_COMMON_NEEDS,
+    Need(
+        "entry",
+        "worker",
+        ("forward_batch_generation", "forward_batch_speculative_generation"),
+        why="hooked method; its name decides the return contract",
+    ),
+    Need("verify_output_cls", "module", ("EagleVerifyOutput",)),
+    Need("prepare_for_verify", "member", ("prepare_for_verify",), owner="EagleVerifyInput"),
+    Need("prepare_page_size", "param", ("page_size",), owner="EagleVerifyInput.prepare_for_verify"),
+    Need("vi_verify", "member", ("verify",), owner="EagleVerifyInput"),
+    Need(
+        "verify_vocab_mask", "param", ("vocab_mask",), owner="EagleVerifyInput.verify",
+        optional=True, why="without it grammar batches keep speculating",
+    ),
+    Need(
+        "vo_next_input",
+        "fields",
+        ("draft_input", "draft_extend_input"),
+        owner="EagleVerifyOutput",
+        why="draft_extend_input: the draft-extend returns the next draft input",
+    ),
+    Need("vo_tokens", "fields", ("verified_id", "accept_tokens"), owner="EagleVerifyOutput"),
+    Need(
+        "vo_per_req",
+        "fields",
+        (
+            "accept_length_per_req_cpu",
+            "num_accepted_drafts_per_req_cpu",
+            "num_correct_drafts_per_req_cpu",
+        ),
+        owner="EagleVerifyOutput",
+    ),
+    Need(
+        "vo_indices",
+        "fields",
+        ("accepted_indices", "accept_indices", "accepeted_indices"),
+        owner="EagleVerifyOutput",
+    ),
+    Need(
+        "draft_extend_input_ids",
+        "fields",
+        ("input_ids",),
+        owner="EagleDraftExtendInput",
+        when=("vo_next_input", "draft_extend_input"),
+    ),
+    Need(
+        "draft_extend_input_cls",
+        "module",
+        ("EagleDraftExtendInput",),
+        when=("vo_next_input", "draft_extend_input"),
+    ),
+    Need(
+        "preprocess_idle",
+        "worker",
+        ("_draft_preprocess_idle",),
+        when=("vo_next_input", "draft_extend_input"),
+        why="installs an idle draft input when every request finished",
+    ),
+    Need(
+        "result_cls",
+        "module",
+        ("GenerationBatchResult",),
+        when=("entry", "forward_batch_generation"),
+    ),
+    Need(
+        "gbr_logits",
+        "fields",
+        ("logits_output",),
+        owner="GenerationBatchResult",
+        when=("entry", "forward_batch_generation"),
+    ),
+    Need(
+        "gbr_tokens",
+        "fields",
+        ("next_token_ids",),
+        owner="GenerationBatchResult",
+        when=("entry", "forward_batch_generation"),
+    ),
+    Need(
+        "gbr_graph",
+        "fields",
+        ("can_run_cuda_graph",),
+        owner="GenerationBatchResult",
+        when=("entry", "forward_batch_generation"),
+    ),
+    Need(
+        "gbr_count",
+        "fields",
+        ("num_accepted_tokens", "num_accepted_drafts", "num_correct_drafts"),
+        owner="GenerationBatchResult",
+        when=("entry", "forward_batch_generation"),
+    ),
+    Need(
+        "gbr_per_req",
+        "fields",
+        (
+            "accept_length_per_req_cpu",
+            "num_accepted_drafts_per_req_cpu",
+            "num_correct_drafts_per_req_cpu",
+        ),
+        owner="GenerationBatchResult",
+        optional=True,
+    ),
+    Need(
+        "logprob_fn",
+        "module",
+        ("add_output_logprobs_for_spec_v1",),
+        optional=True,
+        why="logprobs of the accepted token (else the worker's add_logprob_values)",
+    ),
+    Need("logprob_method", "worker", ("add_logprob_values",), optional=True),
+    Need("draft_extend", "worker", ("forward_draft_extend_after_decode",)),
+    Need("draft_tp_context", "worker", ("draft_tp_context",)),
+    Need("draft_model_runner", "worker", ("draft_model_runner",)),
+    Need("target_worker", "worker", ("target_worker",)),
+    Need("allocator", "worker", ("token_to_kv_pool_allocator",)),
+    Need("page_size", "worker", ("page_size",)),
+    Need("server_args", "worker", ("server_args",)),
+    Need("get_mwb", "batch_member", ("get_model_worker_batch",)),
+    Need("batch_size", "batch_member", ("batch_size",)),
+    Need("evict_swa", "batch_member", ("maybe_evict_swa",), optional=True),
+)
+
+V2_NEEDS: tuple[Need, ...] = (
+    *_COMMON_NEEDS,
+    Need("entry", "worker", ("forward_batch_generation",)),
+    Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput"),
+    Need(
+        "sample_vocab_mask", "param", ("vocab_mask",), owner="EagleVerifyInput.sample",
+        optional=True, why="without it grammar batches keep speculating",
+    ),
+    Need("result_cls", "module", ("GenerationBatchResult",)),
+    Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
+    Need("gbr_accept_lens", "fields", ("accept_lens",), owner="GenerationBatchResult"),
+    Need(
+        "gbr_stride", "fields", ("speculative_num_draft_tokens",), owner="GenerationBatchResult",
+        optional=True, why="absent: the scheduler reads the worker's stride, so pad to it",
+    ),
+    Need("gbr_new_seq_lens", "fields", ("new_seq_lens",), owner="GenerationBatchResult",
+         optional=True),
+    Need("gbr_allocate_lens", "fields", ("allocate_lens",), owner="GenerationBatchResult",
+         optional=True),
+    Need("gbr_keep_alive", "fields", ("extra_keep_alive_refs",), owner="GenerationBatchResult",
+         optional=True),
+    Need("di_new_seq_lens", "fields", ("new_seq_lens",), owner="EagleDraftInput", optional=True),
+    Need("di_verify_done", "fields", ("verify_done",), owner="EagleDraftInput", optional=True),
+    Need("di_allocate_lens", "fields", ("allocate_lens",), owner="EagleDraftInput",
+         optional=True),
+    Need("logprob_method", "worker", ("_compute_spec_v2_logprobs",), optional=True),
+    Need("logprob_fn", "module", ("compute_spec_v2_logprobs",), optional=True),
+    Need("target_worker", "worker", ("target_worker",)),
+    Need("draft_worker", "worker", ("draft_worker",)),
+    Need("num_draft_tokens", "worker", ("speculative_num_draft_tokens",)),
+    Need("num_steps", "worker", ("speculative_num_steps",)),
+    Need("req_to_token_pool", "worker", ("req_to_token_pool",)),
+    Need("server_args", "worker", ("server_args",)),
+    Need("draft_extend_for_decode", "draft_worker", ("_draft_extend_for_decode",)),
+    Need("draft_tp_context", "draft_worker", ("draft_tp_context",)),
+    Need("draft_runner", "draft_worker", ("draft_runner",)),
+)
+
+NEEDS_BY_VARIANT: dict[str, tuple[Need, ...]] = {"v1": V1_NEEDS, "v2": V2_NEEDS}
+
+
+def resolve_needs(
+    needs: tuple[Need, ...], has: Callable[[Need, str], bool]
+) -> tuple[dict[str, str | None], list[Need]]:
+    """Resolve each need to its first present candidate; return (names, missing needs).
+
+    ``has(need, candidate)`` answers whether a name exists: the adapter asks live objects, the
+    static probe asks the release's source. Both share this function, so they cannot drift.
+    """
+    names: dict[str, str | None] = {}
+    missing: list[Need] = []
+    for need in needs:
+        if need.when is not None and names.get(need.when[0]) != need.when[1]:
+            continue
+        found = next((c for c in need.candidates if has(need, c)), None)
+        names[need.key] = found
+        if found is None and not need.optional:
+            missing.append(need)
+    return names, missing
+
+
+def tuple_return_arity(source: str) -> int | None:
+    """Length of the tuples a (dedented) method returns; None when absent or inconsistent.
+
+    The 0.4.x entry returns a tuple whose length changed between releases (4, then 5 with
+    ``can_run_cuda_graph``); the fallback must return the same shape the scheduler unpacks.
+    """
+    tree = ast.parse(textwrap.dedent(source))
+    lengths = {
+        len(node.value.elts)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+    }
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------
+# Per-process adapter
+# --------------------------------------------------------------------------------------------
+
+
+class Unsupported(Exception):
+    """The live SGLang lacks a name the fallback needs, or runs a refused configuration."""
+
+
+@dataclass
+class Adapter:
+    """Everything resolved once per process for one worker class."""
+
+    variant: str
+    names: dict[str, str | None]
+    module_globals: dict[str, Any]
+    controller: DynSpecController
+    tuple_arity: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cls(self, key: str) -> Any:
+        """The worker-module global a need resolved to."""
+        return self.module_globals[self.names[key]]
+
+    def name(self, key: str) -> str:
+        """The concrete spelling of a required need."""
+        value = self.names[key]
+        assert value is not None, key
+        return value
+
+
+_OFF = object()  # sentinel: the feature is off for this worker class for the process life
+_adapters: dict[type, Any] = {}
+
+
+def _dataclass_field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+
+
+def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, str], bool]:
+    """``has`` for resolve_needs, answered from the live worker and its module."""
+
+    def owner_obj(owner: str) -> Any:
+        return module_globals.get(owner)
+
+    def has(need: Need, name: str) -> bool:
+        scope = need.scope
+        if scope == "module":
+            return name in module_globals
+        if scope == "worker":
+            return hasattr(type(worker), name) or hasattr(worker, name)
+        if scope == "draft_worker":
+            draft = getattr(worker, "draft_worker", None)
+            return draft is not None and hasattr(draft, name)
+        if scope == "fields":
+            return name in _dataclass_field_names(owner_obj(need.owner))
+        if scope == "member":
+            obj = owner_obj(need.owner)
+            return obj is not None and hasattr(obj, name)
+        if scope == "param":
+            cls_name, method = need.owner.split(".")
+            fn = getattr(owner_obj(cls_name), method, None)
+            return fn is not None and name in inspect.signature(fn).parameters
+        if scope == "target_param":
+            fn = worker.target_worker.forward_batch_generation
+            return name in inspect.signature(fn).parameters
+        if scope == "runner_attr":
+            return hasattr(worker.target_worker.model_runner, name)
+        if scope == "batch_member":
+            batch_cls = module_globals.get("ScheduleBatch")
+            return batch_cls is not None and hasattr(batch_cls, name)
+        raise ValueError(f"unknown scope {scope!r}")
+
+    return has
+
+
+def refusal_reason(worker: Any, variant: str) -> str | None:
+    """Why this server configuration must not use the fallback, or None."""
+    args = worker.server_args
+    algorithm = str(getattr(args, "speculative_algorithm", "") or "").upper()
+    if algorithm not in SUPPORTED_ALGORITHMS:
+        return f"speculative algorithm {algorithm or 'NONE'} (only EAGLE/EAGLE3)"
+    expected = V1_WORKER_CLASS if variant == "v1" else V2_WORKER_CLASS
+    if type(worker).__name__ != expected:
+        return f"worker class {type(worker).__name__} (only {expected})"
+    for flag, label in (
+        ("enable_dp_attention", "DP attention"),
+        ("enable_multi_layer_eagle", "multi-layer EAGLE"),
+        ("enable_two_batch_overlap", "two-batch overlap"),
+        ("enable_pdmux", "pdmux"),
+    ):
+        if getattr(args, flag, False):
+            return label
+    if int(getattr(args, "pp_size", 1) or 1) > 1:
+        return "pipeline parallelism"
+    runner = worker.target_worker.model_runner
+    for attr in ("hybrid_gdn_config", "mamba2_config", "hybrid_lightning_config"):
+        if getattr(runner, attr, None) is not None:
+            return "hybrid Mamba/GDN/Lightning target"
+    if variant == "v2" and int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
+        return "topk > 1 with the v2 worker"
     return None
 
 
-def maybe_fallback_v2(worker, batch):
-    return None
+def _rank0_logger(worker: Any) -> Callable[[str], None]:
+    is_rank0 = int(getattr(worker, "tp_rank", 0) or 0) == 0
+
+    def log(message: str) -> None:
+        if is_rank0:
+            logger.info(message)
+
+    return log
+
+
+def _warn_rank0(worker: Any, message: str) -> None:
+    if int(getattr(worker, "tp_rank", 0) or 0) == 0:
+        logger.warning("[dynspec] speculation-disable fallback is OFF: %s", message)
+
+
+def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
+    module = sys.modules.get(type(worker).__module__)
+    if module is None:
+        raise Unsupported(f"module {type(worker).__module__} is not loaded")
+    module_globals = vars(module)
+    reason = refusal_reason(worker, variant)
+    if reason is not None:
+        raise Unsupported(f"refused: {reason}")
+    names, missing = resolve_needs(NEEDS_BY_VARIANT[variant], _live_has(worker, module_globals))
+    if missing:
+        listed = ", ".join(f"{n.scope}:{n.owner + '.' if n.owner else ''}{n.candidates[0]}"
+                           for n in missing)
+        raise Unsupported(f"this SGLang lacks {listed}")
+    _check_verify_input_fields(module_globals[names["verify_input_cls"]], names)
+    adapter = Adapter(
+        variant=variant,
+        names=names,
+        module_globals=module_globals,
+        controller=DynSpecController(
+            threshold,
+            resume_below=getattr(worker.server_args, "speculative_disable_resume_below", None),
+            min_dwell_steps=getattr(
+                worker.server_args, "speculative_disable_min_dwell_steps", None
+            ) or DEFAULT_MIN_DWELL_STEPS,
+            log=_rank0_logger(worker),
+        ),
+    )
+    if variant == "v1":
+        _resolve_v1_contract(worker, adapter)
+    else:
+        _resolve_v2_contract(adapter)
+    max_running = getattr(worker.server_args, "max_running_requests", None)
+    if max_running is not None and int(max_running) <= threshold:
+        _rank0_logger(worker)(
+            f"[dynspec] max_running_requests={max_running} <= threshold={threshold}: the "
+            "fallback can never trigger (speculative servers default to 32 or 48)"
+        )
+    return adapter
+
+
+def _check_verify_input_fields(verify_input_cls: Any, names: dict[str, str | None]) -> None:
+    """Fail closed when EagleVerifyInput gained a required field the fallback does not fill."""
+    filled = {names[k] for k in names if k.startswith("vi_") and names[k] is not None}
+    for f in dataclasses.fields(verify_input_cls):
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and f.init and f.name not in filled:
+            raise Unsupported(f"EagleVerifyInput has an unknown required field {f.name!r}")
+
+
+def _resolve_v1_contract(worker: Any, adapter: Adapter) -> None:
+    names = adapter.names
+    if names["logprob_fn"] is None and names["logprob_method"] is None:
+        raise Unsupported("no spec-v1 logprob helper (add_output_logprobs_for_spec_v1)")
+    if names["entry"] == "forward_batch_speculative_generation":
+        try:
+            source = inspect.getsource(getattr(type(worker), names["entry"]))
+        except (OSError, TypeError) as exc:
+            raise Unsupported(f"cannot read the entry method source: {exc}") from exc
+        arity = tuple_return_arity(source)
+        if arity not in (4, 5):
+            raise Unsupported("the entry method returns tuples of differing lengths")
+        adapter.tuple_arity = arity
+
+
+def _resolve_v2_contract(adapter: Adapter) -> None:
+    names = adapter.names
+    gbr_fields = _dataclass_field_names(adapter.cls("result_cls"))
+    # Where new_seq_lens travels: on the result (0.5.13+) or on the next draft input.
+    if names["gbr_new_seq_lens"] is None and names["di_new_seq_lens"] is None:
+        raise Unsupported("neither GenerationBatchResult nor EagleDraftInput has new_seq_lens")
+    if names["gbr_allocate_lens"] is not None and names["di_allocate_lens"] is None:
+        raise Unsupported("allocate_lens on the result but not on EagleDraftInput")
+    adapter.extra["gbr_fields"] = gbr_fields
+
+
+def _adapter_for(worker: Any, variant: str) -> Adapter | None:
+    """The process-wide adapter for this worker class, or None when the feature is off."""
+    cached = _adapters.get(type(worker))
+    if cached is not None:
+        return None if cached is _OFF else cached
+    threshold = getattr(getattr(worker, "server_args", None), THRESHOLD_ARG, None)
+    if threshold is None:
+        _adapters[type(worker)] = _OFF
+        return None
+    try:
+        adapter = _build_adapter(worker, variant, int(threshold))
+    except Unsupported as exc:
+        _warn_rank0(worker, str(exc))
+        _adapters[type(worker)] = _OFF
+        return None
+    _adapters[type(worker)] = adapter
+    return adapter
+
+
+def reset_for_tests() -> None:
+    """Forget every resolved adapter (tests only: production resolves once per process)."""
+    _adapters.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bypass_target_graph(model_runner: Any, attr: str) -> Iterator[None]:
+    """Run the target eagerly: its captured graph is TARGET_VERIFY, not DECODE."""
+    saved = getattr(model_runner, attr)
+    setattr(model_runner, attr, None)
+    try:
+        yield
+    finally:
+        setattr(model_runner, attr, saved)
+
+
+def _draft_contexts(adapter: Adapter, tp_context: Any, tp_group: Any) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(tp_context(tp_group))
+    for key in ("moe_ctx", "moe_a2a_ctx"):
+        if adapter.names[key] is not None:
+            stack.enter_context(adapter.cls(key)())
+    return stack
+
+
+def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu: Any) -> Any:
+    """EagleVerifyInput of a one-node tree per request, rooted at ``root`` (int64)."""
+    import torch
+
+    bs = root.shape[0]
+    device = root.device
+    names = adapter.names
+    minus_one = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
+    values: dict[str, Any] = {
+        "vi_draft_token": root,
+        "vi_custom_mask": None,
+        "vi_positions": batch.seq_lens.to(torch.int64),
+        "vi_index": torch.arange(bs, dtype=torch.int64, device=device)[:, None],
+        "vi_next_token": minus_one,
+        "vi_next_sibling": minus_one.clone(),
+        "vi_cum_len": None,
+        "vi_spec_steps": 0,
+        "vi_draft_token_num": 1,
+        "vi_capture_mode": adapter.cls("capture_mode_cls").FULL,
+        "vi_topk": 1,
+        "vi_seq_lens_sum": int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else None,
+        "vi_seq_lens_cpu": seq_lens_cpu,
+    }
+    kwargs = {names[k]: v for k, v in values.items() if names.get(k) is not None}
+    return adapter.cls("verify_input_cls")(**kwargs)
+
+
+def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
+    """Grammar vocab mask for the one-node tree (the worker's own verify does the same)."""
+    next_token = getattr(vi, adapter.name("vi_next_token"))
+    mask = adapter.cls("bitmask_fn")(
+        batch.reqs,
+        vi,
+        next_token.cpu(),
+        getattr(vi, adapter.name("vi_next_sibling")).cpu(),
+        vi.draft_token.view(next_token.shape).cpu(),
+        batch.sampling_info.vocab_size,
+    )
+    if mask is None:
+        return None
+    # Otherwise the mask of the previous extend would be applied again.
+    batch.sampling_info.vocab_mask = None
+    return mask.to(device)
+
+
+def _target_decode(adapter: Adapter, worker_batch: Any, target_worker: Any) -> tuple[Any, bool]:
+    """Target forward of a DECODE batch with the verify graph bypassed: (logits, graph?)."""
+    kwarg = adapter.name("target_kwarg")
+    with bypass_target_graph(target_worker.model_runner, adapter.name("graph_attr")):
+        out = target_worker.forward_batch_generation(worker_batch, **{kwarg: True})
+    if isinstance(out, tuple):  # 0.4.x: (logits, next_token_ids[, can_run_cuda_graph])
+        return out[0], bool(out[2]) if len(out) > 2 else False
+    return out.logits_output, bool(out.can_run_cuda_graph)
+
+
+def _is_pure_decode(batch: Any) -> bool:
+    mode = batch.forward_mode
+    return bool(mode.is_decode()) and not getattr(batch, "is_extend_in_batch", False)
+
+
+def _decide(adapter: Adapter, batch: Any) -> bool:
+    bs = effective_batch_size(len(batch.seq_lens), getattr(batch, "global_num_tokens", None))
+    return adapter.controller.decide(bs)
+
+
+# --------------------------------------------------------------------------------------------
+# v1: EAGLEWorker (0.4.4 - 0.5.12.post1)
+# --------------------------------------------------------------------------------------------
+
+
+def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
+    """Run one fallback decode step for ``EAGLEWorker`` and return its result, or None.
+
+    None means "run the speculative step as usual": the feature is off (no threshold, refused
+    configuration or missing SGLang name), the batch is not a pure decode batch, or the
+    controller chose to speculate.
+    """
+    adapter = _adapter_for(worker, "v1")
+    if adapter is None or not _is_pure_decode(batch):
+        return None
+    if batch.has_grammar and adapter.names["verify_vocab_mask"] is None:
+        return None
+    if not _decide(adapter, batch):
+        return None
+    return _v1_step(worker, adapter, batch)
+
+
+def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
+    import torch
+
+    names = adapter.names
+    # (a) the non-allocating half of the worker's _draft_preprocess_decode
+    if names["evict_swa"] is not None:
+        batch.maybe_evict_swa()
+    for req in batch.reqs:
+        if hasattr(req, "decode_batch_idx"):
+            req.decode_batch_idx += 1
+    root = getattr(batch.spec_info, adapter.name("root_field")).to(torch.int64)
+    orchestrator = batch.sampling_info.penalizer_orchestrator
+    if orchestrator.is_required:  # the same "relaxed" penalties as spec mode
+        orchestrator.cumulate_output_tokens(root)
+    seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
+
+    # (b)+(c) one-node verify input; its prepare_for_verify allocates one slot per request
+    vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
+    vi.prepare_for_verify(batch, worker.page_size)
+    batch.return_hidden_states = False
+    batch.spec_info = vi
+
+    # (d) target DECODE forward on the worker batch: no spec metadata, FULL capture, L+1
+    mwb = batch.get_model_worker_batch()
+    mwb.spec_info = None
+    mwb.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
+    mwb.seq_lens = batch.seq_lens + 1  # a new tensor: batch.seq_lens is advanced by verify()
+    if getattr(mwb, "seq_lens_cpu", None) is not None:
+        mwb.seq_lens_cpu = mwb.seq_lens_cpu + 1
+        mwb.seq_lens_sum = int(mwb.seq_lens_cpu.sum())
+    else:
+        mwb.seq_lens_sum = int(mwb.seq_lens.sum())
+    vocab_mask = None
+    target_worker = worker.target_worker
+    logits_output, can_run_graph = _target_decode(adapter, mwb, target_worker)
+    if batch.has_grammar:
+        vocab_mask = _grammar_mask(adapter, batch, vi, root.device)
+
+    # (e) SGLang's own bookkeeping: sample, append, finish, grammar, KV accounting, seq_lens
+    vi.hidden_states = logits_output.hidden_states
+    verify_args = [batch, logits_output, worker.token_to_kv_pool_allocator, worker.page_size]
+    if names["verify_vocab_mask"] is not None:
+        verify_args.append(vocab_mask)
+    res = vi.verify(*verify_args)
+    indices = getattr(res, adapter.name("vo_indices"))
+    logits_output.next_token_logits = logits_output.next_token_logits[indices]
+    if logits_output.hidden_states is not None:
+        logits_output.hidden_states = logits_output.hidden_states[indices]
+    if batch.return_logprob:
+        if names["logprob_fn"] is not None:
+            adapter.cls("logprob_fn")(batch, res, logits_output)
+        else:
+            worker.add_logprob_values(batch, res, logits_output)
+
+    # (f) draft KV sync + fresh draft state through the worker's own draft-extend
+    next_input = getattr(res, adapter.name("vo_next_input"))
+    with _draft_contexts(adapter, worker.draft_tp_context, worker.draft_model_runner.tp_group):
+        if names["vo_next_input"] == "draft_extend_input":
+            if next_input.input_ids.shape[0] > 0:
+                batch.spec_info = next_input
+                batch.spec_info = worker.forward_draft_extend_after_decode(batch)
+            else:
+                worker._draft_preprocess_idle(batch)
+        else:
+            batch.spec_info = next_input
+            root_after = getattr(next_input, adapter.name("root_field"), None)
+            if root_after is not None and root_after.shape[0] > 0:
+                worker.forward_draft_extend_after_decode(batch)
+
+    # (g) the same result contract as the speculative path, with zero accepted drafts
+    tokens = getattr(res, adapter.name("vo_tokens"))
+    if adapter.tuple_arity is not None:
+        result = (logits_output, tokens, mwb.bid, 0, can_run_graph)
+        return result[: adapter.tuple_arity]
+    kwargs: dict[str, Any] = {
+        "logits_output": logits_output,
+        "next_token_ids": tokens,
+        adapter.name("gbr_count"): 0,
+        "can_run_cuda_graph": can_run_graph,
+    }
+    if names["gbr_per_req"] is not None:
+        kwargs[names["gbr_per_req"]] = list(getattr(res, adapter.name("vo_per_req")))
+    return adapter.cls("result_cls")(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# v2: EAGLEWorkerV2 (0.5.4 - 0.5.13.post1; 0.5.14+ has the native steps=0 path)
+# --------------------------------------------------------------------------------------------
+
+
+def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
+    """Run one fallback decode step for ``EAGLEWorkerV2`` and return its result, or None.
+
+    ``batch`` is the ModelWorkerBatch (<= 0.5.12.post1) or ScheduleBatch (0.5.13.x) the worker
+    received; ``kwargs`` are the worker's other parameters (``on_publish`` in 0.5.13.x).
+    """
+    adapter = _adapter_for(worker, "v2")
+    if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
+        return None
+    if batch.has_grammar and adapter.names["sample_vocab_mask"] is None:
+        return None
+    if not _decide(adapter, batch):
+        return None
+    return _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
+
+
+def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
+    import torch
+
+    names = adapter.names
+    draft_input = batch.spec_info  # the FutureMap has already been resolved into it
+    root = getattr(draft_input, adapter.name("root_field")).to(torch.int64)
+    bs = len(batch.seq_lens)
+    stride = int(worker.speculative_num_draft_tokens)
+    device = batch.seq_lens.device
+
+    # The scheduler over-allocated >= stride slots from L on; read them (never allocate).
+    req_to_token = worker.req_to_token_pool.req_to_token
+    offsets = batch.seq_lens.to(torch.int64)[:, None] + torch.arange(stride, device=device)
+    slots = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], offsets].to(torch.int64)
+
+    # 1) target DECODE forward on a shallow copy: the batch's tensors are shared with the
+    #    schedule stream and must not change in place.
+    decode_batch = copy.copy(batch)
+    decode_batch.input_ids = root
+    decode_batch.out_cache_loc = slots[:, 0].contiguous()
+    decode_batch.seq_lens = batch.seq_lens + 1
+    seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
+    if seq_lens_cpu is not None:
+        decode_batch.seq_lens_cpu = seq_lens_cpu + 1
+        decode_batch.seq_lens_sum = int(decode_batch.seq_lens_cpu.sum())
+    decode_batch.spec_info = None
+    decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
+    logits_output, can_run_graph = _target_decode(adapter, decode_batch, worker.target_worker)
+
+    # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
+    vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
+    sample_args = [batch, logits_output]
+    if names["sample_vocab_mask"] is not None:
+        sample_args.append(_grammar_mask(adapter, batch, vi, device) if batch.has_grammar
+                           else None)
+    predict, accept_lens, _ = vi.sample(*sample_args)
+
+    # 3) pad back to the stride the scheduler and the draft-extend graph read
+    padded_tokens = predict.new_zeros(bs * stride)
+    padded_tokens[::stride] = predict
+    hidden = logits_output.hidden_states
+    padded_hidden = hidden.new_zeros((bs * stride, hidden.shape[1]))
+    padded_hidden[::stride] = hidden
+    if batch.return_logprob:
+        _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
+    new_seq_lens = batch.seq_lens + accept_lens
+    result = _v2_result(
+        adapter, draft_input, logits_output, padded_tokens, accept_lens, new_seq_lens,
+        can_run_graph, stride, keep_alive=decode_batch,
+    )
+    if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
+        on_publish(new_seq_lens)
+
+    # 4) draft KV sync with the existing N-token draft-extend; only row i*N is real
+    batch.out_cache_loc = slots.reshape(-1)
+    logits_output.hidden_states = padded_hidden
+    draft = worker.draft_worker
+    with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
+        draft._draft_extend_for_decode(batch, result)
+    return result
+
+
+def _v2_logprobs(
+    worker: Any, adapter: Adapter, batch: Any, logits_output: Any, predict: Any, bs: int
+) -> None:
+    """Logprobs of the sampled token in the (bs, steps+1) layout spec v2 returns."""
+    import torch
+
+    steps = int(worker.speculative_num_steps)
+    accept_index = torch.full((bs, steps + 1), -1, dtype=torch.int32, device=predict.device)
+    accept_index[:, 0] = torch.arange(bs, dtype=torch.int32, device=predict.device)
+    if adapter.names["logprob_method"] is not None:
+        worker._compute_spec_v2_logprobs(batch, logits_output, predict, accept_index)
+    elif adapter.names["logprob_fn"] is not None:
+        adapter.cls("logprob_fn")(batch, logits_output, predict, accept_index, steps)
+    # Neither helper: that release's spec v2 path returns no logprobs either.
+
+
+def _v2_result(
+    adapter: Adapter,
+    draft_input: Any,
+    logits_output: Any,
+    padded_tokens: Any,
+    accept_lens: Any,
+    new_seq_lens: Any,
+    can_run_graph: bool,
+    stride: int,
+    keep_alive: Any,
+) -> Any:
+    """GenerationBatchResult shaped like that release's verify() result."""
+    import torch
+
+    names = adapter.names
+    next_kwargs: dict[str, Any] = {adapter.name("root_field"): padded_tokens[::stride].to(
+        torch.int32)}
+    result_kwargs: dict[str, Any] = {
+        "logits_output": logits_output,
+        "next_token_ids": padded_tokens,
+        "can_run_cuda_graph": can_run_graph,
+        "accept_lens": accept_lens,
+    }
+    if names["gbr_new_seq_lens"] is not None:
+        result_kwargs["new_seq_lens"] = new_seq_lens
+    else:
+        next_kwargs["new_seq_lens"] = new_seq_lens
+    if names["di_verify_done"] is not None:
+        done = torch.get_device_module(padded_tokens.device).Event()
+        done.record()
+        next_kwargs["verify_done"] = done
+    if names["gbr_allocate_lens"] is not None:
+        next_kwargs["allocate_lens"] = draft_input.allocate_lens
+        result_kwargs["allocate_lens"] = draft_input.allocate_lens
+    if names["gbr_stride"] is not None:
+        result_kwargs["speculative_num_draft_tokens"] = stride
+    if names["gbr_keep_alive"] is not None:
+        result_kwargs["extra_keep_alive_refs"] = [keep_alive]
+    result_kwargs["next_draft_input"] = adapter.cls("draft_input_cls")(**next_kwargs)
+    return adapter.cls("result_cls")(**result_kwargs)
