@@ -164,7 +164,10 @@ _COMMON_NEEDS: tuple[Need, ...] = (
     Need("draft_input_cls", "module", ("EagleDraftInput",), why="draft state class"),
     Need("capture_mode_cls", "module", ("CaptureHiddenMode",), why="FULL hidden capture"),
     Need("capture_full", "member", ("FULL",), owner="CaptureHiddenMode"),
-    Need("bitmask_fn", "module", ("generate_token_bitmask",), why="grammar mask of the tree"),
+    Need(
+        "bitmask_fn", "module", ("generate_token_bitmask",), optional=True,
+        why="grammar mask of the tree; without it grammar batches keep speculating",
+    ),
     Need("vi_draft_token", "fields", ("draft_token",), owner="EagleVerifyInput"),
     Need("vi_custom_mask", "fields", ("custom_mask",), owner="EagleVerifyInput"),
     Need("vi_positions", "fields", ("positions",), owner="EagleVerifyInput"),
@@ -207,7 +210,9 @@ V1_NEEDS: tuple[Need, ...] = (
     Need(
         "entry",
         "worker",
-        ("forward_batch_generation", "forward_batch_speculative_generation"),
+        ("forward_batch_speculative_generation", "forward_batch_generation"),
+        # The 0.4.x worker also inherits TpModelWorker.forward_batch_generation: look for
+        # the speculative name first.
         why="hooked method; its name decides the return contract",
     ),
     Need("verify_output_cls", "module", ("EagleVerifyOutput",)),
@@ -549,6 +554,8 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
             log=_rank0_logger(worker),
         ),
     )
+    mask_param = names["verify_vocab_mask" if variant == "v1" else "sample_vocab_mask"]
+    adapter.extra["grammar"] = mask_param is not None and names["bitmask_fn"] is not None
     if variant == "v1":
         _resolve_v1_contract(worker, adapter)
     else:
@@ -726,7 +733,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     adapter = _adapter_for(worker, "v1")
     if adapter is None or not _is_pure_decode(batch):
         return None
-    if batch.has_grammar and adapter.names["verify_vocab_mask"] is None:
+    if batch.has_grammar and not adapter.extra["grammar"]:
         return None
     if not _decide(adapter, batch):
         return None
@@ -832,7 +839,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     adapter = _adapter_for(worker, "v2")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
         return None
-    if batch.has_grammar and adapter.names["sample_vocab_mask"] is None:
+    if batch.has_grammar and not adapter.extra["grammar"]:
         return None
     if not _decide(adapter, batch):
         return None
