@@ -2,7 +2,7 @@
 
     DynspecError                 exit 1  anything unexpected that we still explain in one line
     ├── UsageError               exit 2  the command line or an input path is wrong
-    ├── RefusedError             exit 3  unsupported release, unknown file state: nothing was written
+    ├── RefusedError             exit 3  unsupported release or unknown file state; nothing written
     ├── ReleaseFetchError        exit 1  a pinned wheel could not be downloaded or failed its sha256
     └── RollbackError            exit 4  files were changed, something failed, originals restored
 

@@ -1,1 +1,1 @@
-"""The module dynspec-patch installs into SGLang as ``sglang/srt/speculative/dynspec_fallback.py``."""
+"""The module dynspec-patch installs as ``sglang/srt/speculative/dynspec_fallback.py``."""

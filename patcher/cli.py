@@ -1,0 +1,308 @@
+"""The ``dynspec-patch`` command line: a thin shell over ``patcher.engine`` and the file layers.
+
+Exit codes: 0 success (also when nothing had to change), 1 error, 2 usage error,
+3 refused (nothing written), 4 rolled back after a failure.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from patcher import checks, local
+from patcher.engine import Plan, plan_apply, plan_revert, plan_status
+from patcher.errors import DynspecError, RefusedError, UsageError
+from patcher.releases import copy_release, find_pin, load_pins
+from transforms.markers import TOOL_VERSION
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,  # never print locals (paths, keys) in a traceback
+    help="Add dynamic speculation disable (--speculative-disable-batch-threshold) to SGLang.",
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+SglangRoot = Annotated[
+    Path | None,
+    typer.Option("--sglang-root", help="An sglang package dir, or a checkout with python/sglang."),
+]
+Host = Annotated[str | None, typer.Option("--host", help="Patch this SSH host instead.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
+
+
+def _package(sglang_root: Path | None) -> Path:
+    if sglang_root is None:
+        raise UsageError("give --sglang-root DIR (or --host H)")
+    return local.resolve_sglang_dir(sglang_root)
+
+
+def _print_json(data: dict[str, Any]) -> None:
+    out.print_json(json.dumps(data), highlight=False)
+
+
+def _diff(plan: Plan) -> Text:
+    text = Text()
+    for change in plan.changes:
+        before = (change.before or b"").decode("utf-8", "replace").splitlines(keepends=True)
+        after = (change.after or b"").decode("utf-8", "replace").splitlines(keepends=True)
+        old = f"a/{change.path}" if change.before is not None else "/dev/null"
+        new = f"b/{change.path}" if change.after is not None else "/dev/null"
+        for line in difflib.unified_diff(before, after, old, new):
+            style = {"+": "green", "-": "red", "@": "cyan"}.get(line[:1], "")
+            if line.startswith(("+++", "---")):
+                style = "bold"
+            text.append(line if line.endswith("\n") else line + "\n", style=style)
+    return text
+
+
+def _files_table(plan: Plan) -> Table:
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("file", "before", "after", "action", "detail"):
+        table.add_column(column)
+    for change in plan.files:
+        style = {"refused": "red", "patched": "green", "added": "green", "reverted": "yellow",
+                 "removed": "yellow"}.get(change.action, "")
+        table.add_row(change.path, change.state_before, change.state_after,
+                      Text(change.action, style=style), Text(change.reason))
+    return table
+
+
+def _summary(plan: Plan) -> None:
+    out.print(Text(f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}",
+                   style="bold"))
+    out.print(Text(plan.reason))
+    if plan.files:
+        out.print(_files_table(plan), width=max(out.width, 120))
+    if plan.native:
+        out.print(Text("launch flags: " + " ".join(plan.native.flags), style="bold"))
+        out.print(Text(json.dumps(plan.native.config)))
+        for note in plan.native.notes:
+            out.print(Text(f"note: {note}"))
+    elif plan.server_flags and not plan.refused:
+        out.print(Text("launch flag: " + " ".join(plan.server_flags), style="bold"))
+
+
+def _finish(plan: Plan, as_json: bool, dry_run: bool = False, extra: dict[str, Any] | None = None) -> None:
+    if as_json:
+        data = plan.to_json() | (extra or {})
+        if dry_run:
+            data["diff"] = _diff(plan).plain
+        _print_json(data)
+    else:
+        if dry_run and plan.changes:
+            out.print(_diff(plan), soft_wrap=True)
+        _summary(plan)
+        for key, value in (extra or {}).items():
+            out.print(Text(f"{key}: {value}"))
+    if plan.refused:
+        raise RefusedError(plan.refusal_reason)
+
+
+def _remote() -> Any:
+    from patcher import remote_commands  # paramiko is only loaded for --host
+
+    return remote_commands
+
+
+@app.command("detect-path")
+def detect_path(
+    sglang_root: SglangRoot = None,
+    host: Host = None,
+    pid: Annotated[int | None, typer.Option(help="The server process to read (--host).")] = None,
+    port: Annotated[int | None, typer.Option(help="The server port to read (--host).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Which release is installed, which worker runs, and the patch state of every file."""
+    if host is not None:
+        _render_remote(_remote().detect_path(_host_options(host), pid=pid, port=port), as_json)
+        return
+    package = _package(sglang_root)
+    plan = plan_status(local.read_snapshot(package))
+    extra = {
+        "sglang_dir": str(package),
+        "live_worker": "unknown (no running server is read locally; use --host)",
+        "recommended": _recommendation(plan),
+    }
+    _finish(plan, as_json, extra=extra)
+
+
+def _recommendation(plan: Plan) -> str:
+    if plan.route == "unsupported":
+        return "none: this release cannot be patched"
+    if plan.route == "native":
+        return "dynspec-patch apply --threshold N (writes the adaptive config; no source change)"
+    if any(f.state_before == "unknown" for f in plan.files):
+        return "inspect the unknown files; dynspec-patch refuses to touch them"
+    if all(f.state_before == "patched" for f in plan.files):
+        return "already patched; launch with --speculative-disable-batch-threshold N"
+    return "dynspec-patch apply (choose --worker to match the live worker)"
+
+
+@app.command()
+def apply(
+    sglang_root: SglangRoot = None,
+    host: Host = None,
+    threshold: Annotated[int | None, typer.Option(help="Batch size above which to stop speculating.")] = None,
+    worker: Annotated[str, typer.Option(help="auto | v1 | v2 | both")] = "auto",
+    num_steps: Annotated[int | None, typer.Option(help="--speculative-num-steps of the server (native route).")] = None,
+    dry_run: DryRun = False,
+    no_restart: Annotated[bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")] = False,
+    restart_cmd: Annotated[str | None, typer.Option(help="(--host) Restart with this command.")] = None,
+    pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
+    port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
+    health_timeout: Annotated[float, typer.Option(help="(--host) Seconds to wait for health.")] = 1200.0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Patch the release (or write the native config), idempotently."""
+    if host is not None:
+        result = _remote().apply(
+            _host_options(host), threshold=threshold, worker=worker, dry_run=dry_run,
+            no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
+            health_timeout=health_timeout,
+        )
+        _render_remote(result, as_json, dry_run)
+        return
+    package = _package(sglang_root)
+    config_path = str(local.native_config_path(package))
+    plan = plan_apply(local.read_snapshot(package), worker=worker, threshold=threshold,
+                      num_steps=num_steps, native_config_path=config_path,
+                      recorded=local.recorded_files(package))
+    if not dry_run and not plan.refused:
+        local.write_plan(package, plan)
+        if plan.native:
+            local.write_native_config(package, plan.native.config)
+    _finish(plan, as_json, dry_run, {"sglang_dir": str(package), "dry_run": dry_run})
+
+
+@app.command()
+def revert(
+    sglang_root: SglangRoot = None,
+    host: Host = None,
+    dry_run: DryRun = False,
+    force: Annotated[bool, typer.Option(help="Revert even if a file changed since apply.")] = False,
+    no_restart: Annotated[bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")] = False,
+    restart_cmd: Annotated[str | None, typer.Option(help="(--host) Restart with this command.")] = None,
+    pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
+    port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
+    health_timeout: Annotated[float, typer.Option(help="(--host) Seconds to wait for health.")] = 1200.0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Put every patched file back to its original bytes."""
+    if host is not None:
+        result = _remote().revert(
+            _host_options(host), dry_run=dry_run, force=force, no_restart=no_restart,
+            restart_cmd=restart_cmd, pid=pid, port=port, health_timeout=health_timeout,
+        )
+        _render_remote(result, as_json, dry_run)
+        return
+    package = _package(sglang_root)
+    plan = plan_revert(local.read_snapshot(package), recorded=local.recorded_files(package),
+                       force=force)
+    if not dry_run and not plan.refused:
+        local.write_plan(package, plan)
+    _finish(plan, as_json, dry_run, {"sglang_dir": str(package), "dry_run": dry_run})
+
+
+@app.command()
+def status(sglang_root: SglangRoot = None, host: Host = None, as_json: JsonFlag = False) -> None:
+    """The patch state of every file, and what the manifest recorded."""
+    if host is not None:
+        _render_remote(_remote().status(_host_options(host)), as_json)
+        return
+    package = _package(sglang_root)
+    plan = plan_status(local.read_snapshot(package))
+    manifest = local.read_manifest(package)
+    extra = {
+        "sglang_dir": str(package),
+        "manifest": None if manifest is None else {
+            "tool_version": manifest.tool_version,
+            "created": manifest.created,
+            "user": manifest.user,
+            "files": len(manifest.files),
+        },
+    }
+    _finish(plan, as_json, extra=extra)
+
+
+@app.command("check-pins")
+def check_pins(
+    pins: Annotated[Path | None, typer.Option(help="Pins file (default: the bundled one).")] = None,
+    sglang_root: Annotated[list[Path] | None, typer.Option(
+        "--sglang-root", help="Check these trees (e.g. a fork) instead of the pins.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Apply, re-apply and revert every codemod on each pinned release, in scratch copies."""
+    rows = checks.check_roots(sglang_root) if sglang_root else checks.check_pins(load_pins(pins))
+    if as_json:
+        _print_json({"rows": [row.to_json() for row in rows]})
+    else:
+        table = Table(title=f"dynspec-patch {TOOL_VERSION}: codemod dry-run per release")
+        for column in ("release", "route", "files touched", "idempotent", "revert exact",
+                       "time (s)", "result"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(row.release, row.route, str(row.files_touched), row.idempotent,
+                          row.revert_exact, f"{row.seconds:.2f}",
+                          Text("ok" if row.ok else f"FAIL: {row.problem}",
+                               style="green" if row.ok else "red"))
+        out.print(table, width=max(out.width, 120))
+    failed = [row.release for row in rows if not row.ok]
+    if failed:
+        raise DynspecError(f"check-pins failed for {', '.join(failed)}")
+
+
+@app.command()
+def fetch(
+    version: Annotated[str, typer.Argument(help="A pinned SGLang version, e.g. 0.5.10.post1.")],
+    dest: Annotated[Path, typer.Option(help="Copy the release under this directory.")],
+) -> None:
+    """Download a pinned release (sha256-checked), copy it into DEST, print its sglang dir."""
+    target = copy_release(find_pin(version), dest)
+    out.print(Text(str(target)), soft_wrap=True)
+
+
+def _host_options(host: str) -> Any:
+    return _remote().HostOptions(host=host)
+
+
+def _render_remote(result: dict[str, Any], as_json: bool, dry_run: bool = False) -> None:
+    plan = result.pop("plan", None)
+    if plan is None:
+        if as_json:
+            _print_json(result)
+        else:
+            for key, value in result.items():
+                out.print(Text(f"{key}: {value}"))
+        return
+    _finish(plan, as_json, dry_run, result)
+
+
+def run(argv: list[str]) -> int:
+    """Run the CLI on ``argv``; return the exit code instead of exiting."""
+    try:
+        app(argv, prog_name="dynspec-patch")  # typer itself exits 2 on usage errors
+    except DynspecError as exc:
+        err.print(Text(f"dynspec-patch: {exc}"), soft_wrap=True)
+        return exc.exit_code
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

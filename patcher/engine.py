@@ -1,0 +1,338 @@
+"""Decide what to do with an SGLang tree: route the release, run the codemods, build a plan.
+
+Pure: it takes a *snapshot* (the bytes of ``SNAPSHOT_PATHS``, relative to the ``sglang``
+package directory, ``None`` for a missing file) and returns a ``Plan``. Reading and writing
+files, locally or over SSH, is the callers' business. Each file is parsed at most once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from patcher.errors import UsageError
+from patcher.manifest import FileRecord, sha256_or_none
+from transforms import (
+    AddDisableThresholdArgCommand,
+    HookEagleWorkerCommand,
+    HookEagleWorkerV2Command,
+    InstallRuntimeModuleCommand,
+)
+from transforms.markers import Patched, Unknown, Unpatched
+from transforms.native_adaptive import CONFIG_FILE_NAME, NativeConfig, native_config
+
+VERSION_PATHS = ("version.py", "_version.py")
+KERNEL_PATHS = ("srt/speculative/eagle_info.py", "srt/speculative/eagle_utils.py")
+WORKER_CODEMODS = {"v1": HookEagleWorkerCommand, "v2": HookEagleWorkerV2Command}
+SNAPSHOT_PATHS: tuple[str, ...] = (
+    *VERSION_PATHS,
+    *KERNEL_PATHS,
+    InstallRuntimeModuleCommand.PATH,
+    AddDisableThresholdArgCommand.PATH,
+    HookEagleWorkerCommand.PATH,
+    HookEagleWorkerV2Command.PATH,
+)
+WORKER_CHOICES = ("auto", "v1", "v2", "both")
+DEFAULT_NUM_STEPS = 3
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+
+Snapshot = Mapping[str, bytes | None]
+
+_VERSION_RE = re.compile(
+    r"""^__version__\s*=\s*(?:version\s*=\s*)?(?:\w+\s*=\s*)?["']([^"']+)["']""", re.M
+)
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: str
+    before: bytes | None
+    after: bytes | None
+    state_before: str
+    state_after: str
+    action: str  # patched|reverted|unchanged|added|removed|refused|skipped
+    reason: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "state_before": self.state_before,
+            "state_after": self.state_after,
+            "action": self.action,
+            "reason": self.reason,
+            "sha256_before": sha256_or_none(self.before),
+            "sha256_after": sha256_or_none(self.after),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    operation: str  # apply|revert|status
+    sglang_version: str | None
+    route: str  # patch|native|unsupported
+    reason: str
+    files: tuple[FileChange, ...] = ()
+    native: NativeConfig | None = None
+    server_flags: tuple[str, ...] = field(default=())
+
+    @property
+    def refused(self) -> bool:
+        return self.route == "unsupported" or any(f.action == "refused" for f in self.files)
+
+    @property
+    def refusal_reason(self) -> str:
+        for change in self.files:
+            if change.action == "refused":
+                return f"{change.path}: {change.reason}"
+        return self.reason
+
+    @property
+    def changes(self) -> tuple[FileChange, ...]:
+        return tuple(f for f in self.files if f.changed)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "operation": self.operation,
+            "sglang_version": self.sglang_version,
+            "route": self.route,
+            "reason": self.reason,
+            "refused": self.refused,
+            "files": [f.to_json() for f in self.files],
+            "server_flags": list(self.server_flags),
+            "native": self.native.to_json() if self.native else None,
+        }
+
+
+def release_version(snapshot: Snapshot) -> str | None:
+    """The version label (``version.py`` ≤0.5.6.post2, ``_version.py`` from 0.5.7)."""
+    for path in reversed(VERSION_PATHS):
+        data = snapshot.get(path)
+        if data and (match := _VERSION_RE.search(data.decode("utf-8", "replace"))):
+            return match[1]
+    return None
+
+
+def _text(snapshot: Snapshot, path: str) -> str | None:
+    data = snapshot.get(path)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\0"  # never valid Python: the codemod reports it as a syntax error
+
+
+def _route(snapshot: Snapshot, v2_facts: Mapping[str, object]) -> tuple[str, str]:
+    """Which route this tree takes, decided from its structure."""
+    if snapshot.get(AddDisableThresholdArgCommand.PATH) is None:
+        return "unsupported", "no srt/server_args.py: not an SGLang package directory"
+    if v2_facts.get("native_steps_zero"):
+        return "native", (
+            "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
+            "--speculative-adaptive, no source change"
+        )
+    if all(snapshot.get(c.PATH) is None for c in WORKER_CODEMODS.values()):
+        return "unsupported", "no EAGLE worker in this release (EAGLE arrived in 0.4.1.post4)"
+    kernels = "".join(_text(snapshot, path) or "" for path in KERNEL_PATHS)
+    if "verify_tree_greedy" not in kernels:
+        if "eagle_verify_retrive" in kernels:
+            return "unsupported", (
+                "greedy verify uses the Triton eagle_verify_retrive kernel, which reads out of "
+                "bounds for a one-node tree (releases before 0.4.4)"
+            )
+        return "unsupported", "verify kernel not recognised (no verify_tree_greedy)"
+    return "patch", "speculative workers present and patchable (0.4.4 – 0.5.13.post1 layout)"
+
+
+def _selected_workers(
+    snapshot: Snapshot, worker: str, live_worker: str | None
+) -> tuple[list[str], str]:
+    present = [name for name, c in WORKER_CODEMODS.items() if snapshot.get(c.PATH) is not None]
+    if worker not in WORKER_CHOICES:
+        raise UsageError(f"--worker must be one of {', '.join(WORKER_CHOICES)}, got {worker!r}")
+    if worker == "auto" and live_worker in WORKER_CODEMODS:
+        return [live_worker], f"the running server uses {live_worker}"
+    if worker in ("auto", "both"):
+        return present, "every worker file present"
+    return [worker], f"--worker {worker}"
+
+
+class _Analyses:
+    """Each file of the snapshot analysed (so parsed) at most once per plan."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self._done: dict[str, object] = {}
+
+    def of(self, codemod: object) -> object:
+        path: str = codemod.PATH  # type: ignore[attr-defined]
+        if path not in self._done:
+            self._done[path] = codemod.analyse(_text(self.snapshot, path))  # type: ignore[attr-defined]
+        return self._done[path]
+
+    def v2_facts(self) -> Mapping[str, object]:
+        if self.snapshot.get(HookEagleWorkerV2Command.PATH) is None:
+            return {}
+        return self.of(HookEagleWorkerV2Command()).facts  # type: ignore[attr-defined]
+
+
+def _state_label(state: object) -> str:
+    return state.label  # type: ignore[attr-defined]
+
+
+def _recorded_mismatch(path: str, data: bytes | None, recorded: Mapping[str, FileRecord]) -> bool:
+    record = recorded.get(path)
+    return record is not None and sha256_or_none(data) != record.sha256_after
+
+
+def _encode(text: str | None) -> bytes | None:
+    return None if text is None else text.encode("utf-8")
+
+
+def _apply_one(
+    codemod: object, analyses: _Analyses, recorded: Mapping[str, FileRecord]
+) -> FileChange:
+    path: str = codemod.PATH  # type: ignore[attr-defined]
+    before = analyses.snapshot.get(path)
+    analysis = analyses.of(codemod)
+    state = analysis.state
+    if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
+        state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
+        analysis.refusal = state.reason
+    label = _state_label(state)
+    if analysis.refusal is not None:
+        return FileChange(path, before, before, label, label, "refused", analysis.refusal)
+    after = _encode(codemod.apply(analysis))  # type: ignore[attr-defined]
+    if after == before:
+        return FileChange(path, before, after, label, label, "unchanged", state.describe())
+    action = "added" if before is None else "patched"
+    return FileChange(path, before, after, label, "patched", action, state.describe())
+
+
+def plan_apply(
+    snapshot: Snapshot,
+    *,
+    worker: str = "auto",
+    live_worker: str | None = None,
+    threshold: int | None = None,
+    num_steps: int | None = None,
+    cuda_graph_bs: Sequence[int] | None = None,
+    native_config_path: str = CONFIG_FILE_NAME,
+    recorded: Mapping[str, FileRecord] | None = None,
+) -> Plan:
+    """Plan ``apply``: which files change and how, or why nothing may be written."""
+    if threshold is not None and threshold < 1:
+        raise UsageError(f"--threshold must be >= 1, got {threshold}")
+    recorded = recorded or {}
+    version = release_version(snapshot)
+    analyses = _Analyses(snapshot)
+    route, reason = _route(snapshot, analyses.v2_facts())
+    if route == "unsupported":
+        return Plan("apply", version, route, reason)
+    if route == "native":
+        if threshold is None:
+            raise UsageError("the native route needs --threshold N to build its config")
+        config = native_config(
+            threshold, num_steps or DEFAULT_NUM_STEPS, native_config_path, cuda_graph_bs
+        )
+        return Plan("apply", version, route, reason, native=config, server_flags=config.flags)
+
+    selected, why = _selected_workers(snapshot, worker, live_worker)
+    files = [
+        _apply_one(InstallRuntimeModuleCommand(), analyses, recorded),
+        _apply_one(AddDisableThresholdArgCommand(), analyses, recorded),
+    ]
+    for name, codemod_class in WORKER_CODEMODS.items():
+        path = codemod_class.PATH
+        if name in selected and snapshot.get(path) is None:
+            files.append(FileChange(path, None, None, "missing", "missing", "refused",
+                                    f"this release has no {path} ({name} worker)"))
+        elif name in selected:
+            files.append(_apply_one(codemod_class(), analyses, recorded))
+        elif snapshot.get(path) is not None:
+            label = _status_one(codemod_class(), analyses).state_before
+            files.append(FileChange(path, snapshot[path], snapshot[path], label, label,
+                                    "skipped", f"not selected ({why})"))
+    if any(f.action == "refused" for f in files):
+        files = [_as_not_written(f) for f in files]
+    flags = (THRESHOLD_FLAG, str(threshold)) if threshold is not None else ()
+    return Plan("apply", version, route, f"{reason}; workers: {why}", tuple(files),
+                server_flags=flags)
+
+
+def _as_not_written(change: FileChange) -> FileChange:
+    if change.action in ("refused", "skipped"):
+        return change
+    return FileChange(change.path, change.before, change.before, change.state_before,
+                      change.state_before, "skipped", "nothing is written while a file is refused")
+
+
+def _revert_one(
+    codemod: object, snapshot: Snapshot, recorded: Mapping[str, FileRecord], force: bool
+) -> FileChange:
+    path: str = codemod.PATH  # type: ignore[attr-defined]
+    before = snapshot.get(path)
+    analysis = codemod.analyse(_text(snapshot, path))  # type: ignore[attr-defined]
+    label = _state_label(analysis.state)
+    if isinstance(analysis.state, Unknown):
+        return FileChange(path, before, before, label, label, "refused", analysis.state.reason)
+    if isinstance(analysis.state, Unpatched):
+        return FileChange(path, before, before, label, label, "unchanged", "not patched")
+    record = recorded.get(path)
+    if not force and _recorded_mismatch(path, before, recorded):
+        return FileChange(path, before, before, label, label, "refused",
+                          "changed since dynspec-patch wrote it (sha256 differs from the "
+                          "manifest); --force reverts anyway")
+    after = _encode(codemod.revert(analysis))  # type: ignore[attr-defined]
+    if not force and record is not None and sha256_or_none(after) != record.sha256_before:
+        return FileChange(path, before, before, label, label, "refused",
+                          "reverting would not restore the bytes recorded at apply time")
+    action = "removed" if after is None else "reverted"
+    return FileChange(path, before, after, label, "unpatched", action, analysis.state.describe())
+
+
+def plan_revert(
+    snapshot: Snapshot, *, recorded: Mapping[str, FileRecord] | None = None, force: bool = False
+) -> Plan:
+    """Plan ``revert``: every patched file back to its original bytes, hooks first."""
+    recorded = recorded or {}
+    version = release_version(snapshot)
+    codemods = (HookEagleWorkerV2Command(), HookEagleWorkerCommand(),
+                AddDisableThresholdArgCommand(), InstallRuntimeModuleCommand())
+    files = tuple(
+        _revert_one(codemod, snapshot, recorded, force)
+        for codemod in codemods
+        if snapshot.get(codemod.PATH) is not None
+    )
+    if any(f.action == "refused" for f in files):
+        files = tuple(_as_not_written(f) for f in files)
+    return Plan("revert", version, "patch", "remove everything dynspec-patch inserted", files)
+
+
+def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
+    path: str = codemod.PATH  # type: ignore[attr-defined]
+    data = analyses.snapshot.get(path)
+    analysis = analyses.of(codemod)
+    label = _state_label(analysis.state)
+    reason = analysis.refusal or analysis.state.describe()
+    return FileChange(path, data, data, label, label, "unchanged", reason)
+
+
+def plan_status(snapshot: Snapshot) -> Plan:
+    """Route and per-file state, without planning any change (detect-path, status)."""
+    version = release_version(snapshot)
+    analyses = _Analyses(snapshot)
+    route, reason = _route(snapshot, analyses.v2_facts())
+    if route != "patch":
+        return Plan("status", version, route, reason)
+    files = [_status_one(InstallRuntimeModuleCommand(), analyses),
+             _status_one(AddDisableThresholdArgCommand(), analyses)]
+    for codemod_class in WORKER_CODEMODS.values():
+        if snapshot.get(codemod_class.PATH) is not None:
+            files.append(_status_one(codemod_class(), analyses))
+    return Plan("status", version, route, reason, tuple(files))

@@ -1,0 +1,24 @@
+"""Pure codemods (source text in, source text out) that add dynamic speculation disable to SGLang.
+
+Nothing here knows about hosts, SSH or the terminal.
+"""
+
+from transforms.eagle_hooks import HookEagleWorkerCommand, HookEagleWorkerV2Command
+from transforms.runtime_install import InstallRuntimeModuleCommand
+from transforms.server_args_threshold import AddDisableThresholdArgCommand
+
+# In write order: the runtime module exists before any hook imports it.
+CODEMODS = (
+    InstallRuntimeModuleCommand,
+    AddDisableThresholdArgCommand,
+    HookEagleWorkerCommand,
+    HookEagleWorkerV2Command,
+)
+
+__all__ = [
+    "CODEMODS",
+    "AddDisableThresholdArgCommand",
+    "HookEagleWorkerCommand",
+    "HookEagleWorkerV2Command",
+    "InstallRuntimeModuleCommand",
+]
