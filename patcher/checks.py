@@ -1,4 +1,4 @@
-"""``check-pins``: prove every codemod on real releases — apply, re-apply, revert — in scratch copies."""
+"""``check-pins``: apply, re-apply and revert every codemod on real releases, in scratch copies."""
 
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ class CheckRow:
 
 def _tree_bytes(package: Path) -> dict[str, bytes]:
     return {
-        str(path.relative_to(package)): path.read_bytes()
-        for path in sorted(package.rglob("*.py"))
+        str(path.relative_to(package)): path.read_bytes() for path in sorted(package.rglob("*.py"))
     }
 
 
@@ -63,8 +62,13 @@ def check_tree(package: Path, label: str, pin: Pin | None = None) -> CheckRow:
         return CheckRow(label, route, touched, idem, exact, time.perf_counter() - started, problem)
 
     if status.route != expected_route:
-        return row(status.route, 0, "n/a", "n/a",
-                   f"route {status.route}, expected {expected_route}: {status.reason}")
+        return row(
+            status.route,
+            0,
+            "n/a",
+            "n/a",
+            f"route {status.route}, expected {expected_route}: {status.reason}",
+        )
     if status.route == "unsupported":
         return row(status.route, 0, "n/a", "n/a")
     if pin is not None and pin.refused:
@@ -81,13 +85,24 @@ def check_tree(package: Path, label: str, pin: Pin | None = None) -> CheckRow:
     if first.refused:
         return row(first.route, 0, "n/a", "n/a", f"refused: {first.refusal_reason}")
     local.write_plan(package, first)
-    second = plan_apply(local.read_snapshot(package), worker=_worker_choice(pin),
-                        threshold=CHECK_THRESHOLD, recorded=local.recorded_files(package))
-    idempotent = not second.changes and all(f.action in ("unchanged", "skipped") for f in second.files)
+    second = plan_apply(
+        local.read_snapshot(package),
+        worker=_worker_choice(pin),
+        threshold=CHECK_THRESHOLD,
+        recorded=local.recorded_files(package),
+    )
+    idempotent = not second.changes and all(
+        f.action in ("unchanged", "skipped") for f in second.files
+    )
     back = plan_revert(local.read_snapshot(package), recorded=local.recorded_files(package))
     if back.refused:
-        return row(first.route, len(first.changes), _yes(idempotent), "no",
-                   f"revert refused: {back.refusal_reason}")
+        return row(
+            first.route,
+            len(first.changes),
+            _yes(idempotent),
+            "no",
+            f"revert refused: {back.refusal_reason}",
+        )
     local.write_plan(package, back)
     exact = _tree_bytes(package) == original
     problem = "" if idempotent and exact else _problem(first, idempotent, exact)

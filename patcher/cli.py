@@ -71,16 +71,30 @@ def _files_table(plan: Plan) -> Table:
     for column in ("file", "before", "after", "action", "detail"):
         table.add_column(column)
     for change in plan.files:
-        style = {"refused": "red", "patched": "green", "added": "green", "reverted": "yellow",
-                 "removed": "yellow"}.get(change.action, "")
-        table.add_row(change.path, change.state_before, change.state_after,
-                      Text(change.action, style=style), Text(change.reason))
+        style = {
+            "refused": "red",
+            "patched": "green",
+            "added": "green",
+            "reverted": "yellow",
+            "removed": "yellow",
+        }.get(change.action, "")
+        table.add_row(
+            change.path,
+            change.state_before,
+            change.state_after,
+            Text(change.action, style=style),
+            Text(change.reason),
+        )
     return table
 
 
 def _summary(plan: Plan) -> None:
-    out.print(Text(f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}",
-                   style="bold"))
+    out.print(
+        Text(
+            f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}",
+            style="bold",
+        )
+    )
     out.print(Text(plan.reason))
     if plan.files:
         out.print(_files_table(plan), width=max(out.width, 120))
@@ -93,7 +107,9 @@ def _summary(plan: Plan) -> None:
         out.print(Text("launch flag: " + " ".join(plan.server_flags), style="bold"))
 
 
-def _finish(plan: Plan, as_json: bool, dry_run: bool = False, extra: dict[str, Any] | None = None) -> None:
+def _finish(
+    plan: Plan, as_json: bool, dry_run: bool = False, extra: dict[str, Any] | None = None
+) -> None:
     if as_json:
         data = plan.to_json() | (extra or {})
         if dry_run:
@@ -153,31 +169,52 @@ def _recommendation(plan: Plan) -> str:
 def apply(
     sglang_root: SglangRoot = None,
     host: Host = None,
-    threshold: Annotated[int | None, typer.Option(help="Batch size above which to stop speculating.")] = None,
+    threshold: Annotated[
+        int | None, typer.Option(help="Batch size above which to stop speculating.")
+    ] = None,
     worker: Annotated[str, typer.Option(help="auto | v1 | v2 | both")] = "auto",
-    num_steps: Annotated[int | None, typer.Option(help="--speculative-num-steps of the server (native route).")] = None,
+    num_steps: Annotated[
+        int | None, typer.Option(help="--speculative-num-steps of the server (native route).")
+    ] = None,
     dry_run: DryRun = False,
-    no_restart: Annotated[bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")] = False,
-    restart_cmd: Annotated[str | None, typer.Option(help="(--host) Restart with this command.")] = None,
+    no_restart: Annotated[
+        bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
+    ] = False,
+    restart_cmd: Annotated[
+        str | None, typer.Option(help="(--host) Restart with this command.")
+    ] = None,
     pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
     port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
-    health_timeout: Annotated[float, typer.Option(help="(--host) Seconds to wait for health.")] = 1200.0,
+    health_timeout: Annotated[
+        float, typer.Option(help="(--host) Seconds to wait for health.")
+    ] = 1200.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
     if host is not None:
         result = _remote().apply(
-            _host_options(host), threshold=threshold, worker=worker, dry_run=dry_run,
-            no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
+            _host_options(host),
+            threshold=threshold,
+            worker=worker,
+            dry_run=dry_run,
+            no_restart=no_restart,
+            restart_cmd=restart_cmd,
+            pid=pid,
+            port=port,
             health_timeout=health_timeout,
         )
         _render_remote(result, as_json, dry_run)
         return
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
-    plan = plan_apply(local.read_snapshot(package), worker=worker, threshold=threshold,
-                      num_steps=num_steps, native_config_path=config_path,
-                      recorded=local.recorded_files(package))
+    plan = plan_apply(
+        local.read_snapshot(package),
+        worker=worker,
+        threshold=threshold,
+        num_steps=num_steps,
+        native_config_path=config_path,
+        recorded=local.recorded_files(package),
+    )
     if not dry_run and not plan.refused:
         local.write_plan(package, plan)
         if plan.native:
@@ -191,24 +228,37 @@ def revert(
     host: Host = None,
     dry_run: DryRun = False,
     force: Annotated[bool, typer.Option(help="Revert even if a file changed since apply.")] = False,
-    no_restart: Annotated[bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")] = False,
-    restart_cmd: Annotated[str | None, typer.Option(help="(--host) Restart with this command.")] = None,
+    no_restart: Annotated[
+        bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
+    ] = False,
+    restart_cmd: Annotated[
+        str | None, typer.Option(help="(--host) Restart with this command.")
+    ] = None,
     pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
     port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
-    health_timeout: Annotated[float, typer.Option(help="(--host) Seconds to wait for health.")] = 1200.0,
+    health_timeout: Annotated[
+        float, typer.Option(help="(--host) Seconds to wait for health.")
+    ] = 1200.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Put every patched file back to its original bytes."""
     if host is not None:
         result = _remote().revert(
-            _host_options(host), dry_run=dry_run, force=force, no_restart=no_restart,
-            restart_cmd=restart_cmd, pid=pid, port=port, health_timeout=health_timeout,
+            _host_options(host),
+            dry_run=dry_run,
+            force=force,
+            no_restart=no_restart,
+            restart_cmd=restart_cmd,
+            pid=pid,
+            port=port,
+            health_timeout=health_timeout,
         )
         _render_remote(result, as_json, dry_run)
         return
     package = _package(sglang_root)
-    plan = plan_revert(local.read_snapshot(package), recorded=local.recorded_files(package),
-                       force=force)
+    plan = plan_revert(
+        local.read_snapshot(package), recorded=local.recorded_files(package), force=force
+    )
     if not dry_run and not plan.refused:
         local.write_plan(package, plan)
     _finish(plan, as_json, dry_run, {"sglang_dir": str(package), "dry_run": dry_run})
@@ -225,7 +275,9 @@ def status(sglang_root: SglangRoot = None, host: Host = None, as_json: JsonFlag 
     manifest = local.read_manifest(package)
     extra = {
         "sglang_dir": str(package),
-        "manifest": None if manifest is None else {
+        "manifest": None
+        if manifest is None
+        else {
             "tool_version": manifest.tool_version,
             "created": manifest.created,
             "user": manifest.user,
@@ -238,8 +290,10 @@ def status(sglang_root: SglangRoot = None, host: Host = None, as_json: JsonFlag 
 @app.command("check-pins")
 def check_pins(
     pins: Annotated[Path | None, typer.Option(help="Pins file (default: the bundled one).")] = None,
-    sglang_root: Annotated[list[Path] | None, typer.Option(
-        "--sglang-root", help="Check these trees (e.g. a fork) instead of the pins.")] = None,
+    sglang_root: Annotated[
+        list[Path] | None,
+        typer.Option("--sglang-root", help="Check these trees (e.g. a fork) instead of the pins."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Apply, re-apply and revert every codemod on each pinned release, in scratch copies."""
@@ -248,14 +302,28 @@ def check_pins(
         _print_json({"rows": [row.to_json() for row in rows]})
     else:
         table = Table(title=f"dynspec-patch {TOOL_VERSION}: codemod dry-run per release")
-        for column in ("release", "route", "files touched", "idempotent", "revert exact",
-                       "time (s)", "result"):
+        for column in (
+            "release",
+            "route",
+            "files touched",
+            "idempotent",
+            "revert exact",
+            "time (s)",
+            "result",
+        ):
             table.add_column(column)
         for row in rows:
-            table.add_row(row.release, row.route, str(row.files_touched), row.idempotent,
-                          row.revert_exact, f"{row.seconds:.2f}",
-                          Text("ok" if row.ok else f"FAIL: {row.problem}",
-                               style="green" if row.ok else "red"))
+            table.add_row(
+                row.release,
+                row.route,
+                str(row.files_touched),
+                row.idempotent,
+                row.revert_exact,
+                f"{row.seconds:.2f}",
+                Text(
+                    "ok" if row.ok else f"FAIL: {row.problem}", style="green" if row.ok else "red"
+                ),
+            )
         out.print(table, width=max(out.width, 120))
     failed = [row.release for row in rows if not row.ok]
     if failed:

@@ -250,26 +250,52 @@ def plan_apply(
     for name, codemod_class in WORKER_CODEMODS.items():
         path = codemod_class.PATH
         if name in selected and snapshot.get(path) is None:
-            files.append(FileChange(path, None, None, "missing", "missing", "refused",
-                                    f"this release has no {path} ({name} worker)"))
+            files.append(
+                FileChange(
+                    path,
+                    None,
+                    None,
+                    "missing",
+                    "missing",
+                    "refused",
+                    f"this release has no {path} ({name} worker)",
+                )
+            )
         elif name in selected:
             files.append(_apply_one(codemod_class(), analyses, recorded))
         elif snapshot.get(path) is not None:
             label = _status_one(codemod_class(), analyses).state_before
-            files.append(FileChange(path, snapshot[path], snapshot[path], label, label,
-                                    "skipped", f"not selected ({why})"))
+            files.append(
+                FileChange(
+                    path,
+                    snapshot[path],
+                    snapshot[path],
+                    label,
+                    label,
+                    "skipped",
+                    f"not selected ({why})",
+                )
+            )
     if any(f.action == "refused" for f in files):
         files = [_as_not_written(f) for f in files]
     flags = (THRESHOLD_FLAG, str(threshold)) if threshold is not None else ()
-    return Plan("apply", version, route, f"{reason}; workers: {why}", tuple(files),
-                server_flags=flags)
+    return Plan(
+        "apply", version, route, f"{reason}; workers: {why}", tuple(files), server_flags=flags
+    )
 
 
 def _as_not_written(change: FileChange) -> FileChange:
     if change.action in ("refused", "skipped"):
         return change
-    return FileChange(change.path, change.before, change.before, change.state_before,
-                      change.state_before, "skipped", "nothing is written while a file is refused")
+    return FileChange(
+        change.path,
+        change.before,
+        change.before,
+        change.state_before,
+        change.state_before,
+        "skipped",
+        "nothing is written while a file is refused",
+    )
 
 
 def _revert_one(
@@ -285,13 +311,27 @@ def _revert_one(
         return FileChange(path, before, before, label, label, "unchanged", "not patched")
     record = recorded.get(path)
     if not force and _recorded_mismatch(path, before, recorded):
-        return FileChange(path, before, before, label, label, "refused",
-                          "changed since dynspec-patch wrote it (sha256 differs from the "
-                          "manifest); --force reverts anyway")
+        return FileChange(
+            path,
+            before,
+            before,
+            label,
+            label,
+            "refused",
+            "changed since dynspec-patch wrote it (sha256 differs from the "
+            "manifest); --force reverts anyway",
+        )
     after = _encode(codemod.revert(analysis))  # type: ignore[attr-defined]
     if not force and record is not None and sha256_or_none(after) != record.sha256_before:
-        return FileChange(path, before, before, label, label, "refused",
-                          "reverting would not restore the bytes recorded at apply time")
+        return FileChange(
+            path,
+            before,
+            before,
+            label,
+            label,
+            "refused",
+            "reverting would not restore the bytes recorded at apply time",
+        )
     action = "removed" if after is None else "reverted"
     return FileChange(path, before, after, label, "unpatched", action, analysis.state.describe())
 
@@ -302,8 +342,12 @@ def plan_revert(
     """Plan ``revert``: every patched file back to its original bytes, hooks first."""
     recorded = recorded or {}
     version = release_version(snapshot)
-    codemods = (HookEagleWorkerV2Command(), HookEagleWorkerCommand(),
-                AddDisableThresholdArgCommand(), InstallRuntimeModuleCommand())
+    codemods = (
+        HookEagleWorkerV2Command(),
+        HookEagleWorkerCommand(),
+        AddDisableThresholdArgCommand(),
+        InstallRuntimeModuleCommand(),
+    )
     files = tuple(
         _revert_one(codemod, snapshot, recorded, force)
         for codemod in codemods
@@ -330,8 +374,10 @@ def plan_status(snapshot: Snapshot) -> Plan:
     route, reason = _route(snapshot, analyses.v2_facts())
     if route != "patch":
         return Plan("status", version, route, reason)
-    files = [_status_one(InstallRuntimeModuleCommand(), analyses),
-             _status_one(AddDisableThresholdArgCommand(), analyses)]
+    files = [
+        _status_one(InstallRuntimeModuleCommand(), analyses),
+        _status_one(AddDisableThresholdArgCommand(), analyses),
+    ]
     for codemod_class in WORKER_CODEMODS.values():
         if snapshot.get(codemod_class.PATH) is not None:
             files.append(_status_one(codemod_class(), analyses))

@@ -30,7 +30,9 @@ def resolve_sglang_dir(root: Path) -> Path:
     raise UsageError(f"not an SGLang package directory or checkout: {root}")
 
 
-def read_snapshot(package: Path, paths: tuple[str, ...] = SNAPSHOT_PATHS) -> dict[str, bytes | None]:
+def read_snapshot(
+    package: Path, paths: tuple[str, ...] = SNAPSHOT_PATHS
+) -> dict[str, bytes | None]:
     snapshot: dict[str, bytes | None] = {}
     for relpath in paths:
         try:
@@ -93,7 +95,9 @@ def _stage(target: Path, data: bytes) -> Path:
         py_compile.compile(str(staged), cfile=str(compiled), dfile=str(target), doraise=True)
     except py_compile.PyCompileError as exc:
         staged.unlink()
-        raise RefusedError(f"{target} would not compile: {exc.msg.strip().splitlines()[-1]}") from exc
+        raise RefusedError(
+            f"{target} would not compile: {exc.msg.strip().splitlines()[-1]}"
+        ) from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
             compiled.unlink()

@@ -24,9 +24,12 @@ from patcher.errors import ReleaseFetchError, UsageError
 # The newest wheels are cp311 platform wheels; ask pip for exactly those whatever runs us.
 _PIP_PLATFORM_ARGS = (
     "--only-binary=:all:",
-    "--python-version", "3.11",
-    "--implementation", "cp",
-    "--platform", "manylinux_2_34_x86_64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_34_x86_64",
 )
 
 
@@ -98,8 +101,18 @@ def fetch_wheel(pin: Pin) -> Path:
         target.unlink()  # a corrupt or substituted cache entry is never trusted
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=wheels) as scratch:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               *_PIP_PLATFORM_ARGS, "--dest", scratch, f"sglang=={pin.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            *_PIP_PLATFORM_ARGS,
+            "--dest",
+            scratch,
+            f"sglang=={pin.version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         downloaded = Path(scratch) / pin.wheel
         if proc.returncode != 0 or not downloaded.exists():
