@@ -1,0 +1,111 @@
+"""Static probe of the runtime's names against every pinned SGLang release (no import)."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from patcher.releases import Pin, find_pin, load_pins, release_dir
+from transforms.runtime_probe import probe_release
+
+PATCHABLE = [pin for pin in load_pins() if pin.route == "patch"]
+
+
+def reader(root: Path, edit: Callable[[str, str], str] | None = None):
+    def read(relpath: str) -> str | None:
+        path = root / relpath
+        if not path.is_file():
+            return None
+        text = path.read_text()
+        return edit(relpath, text) if edit else text
+
+    return read
+
+
+@pytest.mark.parametrize("pin", PATCHABLE, ids=lambda p: p.version)
+def test_every_name_found_for_patched_workers(pin: Pin) -> None:
+    report = probe_release(reader(release_dir(pin)), variants=pin.workers)
+    missing = [c for c in report.checks if not c.found]
+    assert report.ok, missing
+    for variant in pin.workers:
+        assert f"{variant}[entry=" in report.era
+    assert not report.native
+
+
+@pytest.mark.parametrize(
+    ("version", "variant"),
+    [(pin.version, v) for pin in PATCHABLE for v in pin.refused],
+)
+def test_refused_worker_variants_are_reported_missing(version: str, variant: str) -> None:
+    report = probe_release(reader(release_dir(find_pin(version))), variants=(variant,))
+    assert not report.ok
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("0.4.6.post5", ["entry=forward_batch_speculative_generation", "target_kwarg=skip_sample",
+                         "graph_attr=cuda_graph_runner", "root_field=verified_id"]),
+        ("0.5.10.post1", ["entry=forward_batch_generation", "vo_next_input=draft_input",
+                          "target_kwarg=is_verify", "graph_attr=graph_runner"]),
+        ("0.5.12.post1", ["vo_next_input=draft_extend_input", "root_field=bonus_tokens",
+                          "gbr_stride=speculative_num_draft_tokens"]),
+        ("0.5.13.post1", ["v1[absent]", "gbr_new_seq_lens=new_seq_lens"]),
+        ("0.5.5.post2", ["gbr_allocate_lens=allocate_lens"]),
+    ],
+)
+def test_era_names_the_adapter_choices(version: str, expected: list[str]) -> None:
+    report = probe_release(reader(release_dir(find_pin(version))))
+    for fragment in expected:
+        assert fragment in report.era
+
+
+def test_renamed_field_is_not_found() -> None:
+    root = release_dir(find_pin("0.5.10.post1"))
+
+    def rename(relpath: str, text: str) -> str:
+        if relpath == "srt/speculative/eagle_info.py":
+            old, new = "    retrive_next_sibling: torch.Tensor", "    next_sib: torch.Tensor"
+            return text.replace(old, new)
+        return text
+
+    report = probe_release(reader(root, rename), variants=("v1",))
+    assert not report.ok
+    failed = [c for c in report.checks if not c.found]
+    assert any("retrive_next_sibling" in c.name for c in failed)
+    assert any(c.file == "srt/speculative/eagle_info.py" for c in failed)
+    # A new required field nobody fills is caught as well.
+    assert any("required fields" in c.name and "next_sib" in c.detail for c in failed)
+
+
+def test_removed_worker_method_is_not_found() -> None:
+    root = release_dir(find_pin("0.5.12.post1"))
+
+    def drop(relpath: str, text: str) -> str:
+        if relpath == "srt/speculative/eagle_worker.py":
+            return text.replace("def _draft_preprocess_idle(", "def _renamed_idle(")
+        return text
+
+    report = probe_release(reader(root, drop), variants=("v1",))
+    failed = [c.name for c in report.checks if not c.found]
+    assert failed == ["v1 worker _draft_preprocess_idle"]
+
+
+def test_too_old_release_is_not_ok() -> None:
+    report = probe_release(reader(release_dir(find_pin("0.4.3.post4"))))
+    failed = {c.name for c in report.checks if not c.found}
+    assert "v1 param EagleVerifyInput.prepare_for_verify.page_size" in failed
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.23"])
+def test_native_releases_are_flagged(version: str) -> None:
+    report = probe_release(reader(release_dir(find_pin(version))))
+    assert report.native
+    assert "v1[absent]" in report.era
+
+
+def test_empty_tree_is_not_ok_and_serialises() -> None:
+    report = probe_release(lambda _relpath: None)
+    assert not report.ok
+    data = report.to_json()
+    assert data == {"era": "v1[absent]; v2[absent]", "ok": False, "native": False, "checks": []}
