@@ -3,6 +3,8 @@
 The cache lives outside any checkout: ``$DYNSPEC_CACHE``, else
 ``$XDG_CACHE_HOME/dynspec-patch``, else ``~/.cache/dynspec-patch``. Wheels sit in
 ``wheels/``, their ``.py`` files unpacked under ``releases/<version>/sglang``.
+With ``DYNSPEC_OFFLINE=1`` nothing is downloaded: a release missing from the cache is an
+error (the tests run that way; CI fetches the pins first).
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ def fetch_wheel(pin: Pin) -> Path:
         if _sha256(target) == pin.sha256:
             return target
         target.unlink()  # a corrupt or substituted cache entry is never trusted
+    if os.environ.get("DYNSPEC_OFFLINE") == "1":
+        raise ReleaseFetchError(
+            f"{pin.wheel} is not in the cache {wheels} and DYNSPEC_OFFLINE=1 forbids downloading"
+        )
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=wheels) as scratch:
         cmd = [
@@ -131,7 +137,8 @@ def release_dir(pin: Pin) -> Path:
     """Return ``<cache>/releases/<version>/sglang``: the wheel's ``sglang`` package, unpacked."""
     root = cache_dir() / "releases" / pin.version
     package = root / "sglang"
-    if (root / ".complete").exists():
+    complete = root / ".complete"
+    if complete.exists() and complete.read_text().strip() == pin.sha256:
         return package
     wheel = fetch_wheel(pin)
     shutil.rmtree(root, ignore_errors=True)

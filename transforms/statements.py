@@ -213,6 +213,15 @@ def find_method(cls: cst.ClassDef, names: Sequence[str]) -> tuple[int, cst.Funct
     raise AnchorMissing(f"{cls.name.value} has no method {' or '.join(names)}")
 
 
+def _syntax_error(source: str, exc: cst.ParserSyntaxError) -> str:
+    """Describe a syntax error the way Python does (libcst reports where it gave up)."""
+    try:
+        compile(source, "<target>", "exec", dont_inherit=True)
+    except SyntaxError as error:
+        return f"syntax error at line {error.lineno}: {error.msg}"
+    return f"syntax error at line {exc.raw_line}: {exc.message}"
+
+
 class MarkedInsertionCodemod(ABC):
     """Base for codemods made only of marked statement insertions."""
 
@@ -239,7 +248,7 @@ class MarkedInsertionCodemod(ABC):
         try:
             module = cst.parse_module(source)
         except cst.ParserSyntaxError as exc:
-            reason = f"syntax error at line {exc.raw_line}: {exc.message}"
+            reason = _syntax_error(source, exc)
             return Analysis(source, Unknown(reason), reason)
         if "dynspec" not in source:
             return self._analyse_unpatched(source, module)
