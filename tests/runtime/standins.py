@@ -1,0 +1,526 @@
+"""Stand-in SGLang workers shaped like one pinned release, for CPU behaviour tests.
+
+The shape (dataclass field names and which are required, method parameters, the target
+worker's keyword, the graph attribute, which globals the worker module binds, which members
+the worker has) is read from that release's own source with the static probe's parser, so a
+stand-in cannot silently drift from the real classes. The methods are small CPU reference
+implementations of SGLang's one-node semantics that record what they were given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import itertools
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from patcher.releases import find_pin, release_dir
+from transforms.runtime_probe import (
+    MODEL_RUNNER,
+    SCHEDULE_BATCH,
+    TARGET_WORKER,
+    _method,
+    _params,
+    _StaticHas,
+    _Tree,
+)
+
+VOCAB = 16
+HIDDEN = 4
+_counter = itertools.count()
+
+# Concept -> the spellings SGLang used (independent of the runtime's table on purpose).
+VERIFY_OUTPUT_NEXT = ("draft_input", "draft_extend_input")
+VERIFY_OUTPUT_TOKENS = ("verified_id", "accept_tokens")
+VERIFY_OUTPUT_PER_REQ = (
+    "accept_length_per_req_cpu", "num_accepted_drafts_per_req_cpu",
+    "num_correct_drafts_per_req_cpu",
+)
+VERIFY_OUTPUT_INDICES = ("accepted_indices", "accept_indices", "accepeted_indices")
+ROOT = ("verified_id", "bonus_tokens")
+INDEX = ("retrive_index", "retrieve_index")
+
+
+class CaptureHiddenMode(enum.IntEnum):
+    NULL = 0
+    LAST = 1
+    FULL = 2
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 0
+    DECODE = 1
+    IDLE = 2
+    TARGET_VERIFY = 3
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+
+@dataclass
+class Shape:
+    """What one release's worker world looks like, read from its source."""
+
+    version: str
+    variant: str
+    module_names: set[str]
+    worker_members: set[str]
+    draft_worker_members: set[str]
+    batch_members: set[str]
+    fields: dict[str, dict[str, bool]]
+    params: dict[str, set[str]]
+    target_kwarg: str
+    graph_attr: str
+
+    def has_field(self, cls: str, name: str) -> bool:
+        return name in self.fields.get(cls, {})
+
+    def pick(self, cls: str, spellings: tuple[str, ...]) -> str:
+        return next(s for s in spellings if self.has_field(cls, s))
+
+
+def read_shape(version: str, variant: str) -> Shape:
+    """Read the shape of ``variant``'s worker world from pinned release ``version``."""
+    root = release_dir(find_pin(version))
+    tree = _Tree(lambda rel: (root / rel).read_text() if (root / rel).is_file() else None)
+    has = _StaticHas(tree, variant)
+    assert has.worker is not None, f"{version} has no {variant} worker"
+    classes = ("EagleVerifyInput", "EagleDraftInput", "EagleVerifyOutput",
+               "EagleDraftExtendInput", "GenerationBatchResult")
+    fields = {c: has.fields(c) for c in classes if c in has.worker_module.bindings}
+    params: dict[str, set[str]] = {}
+    vi = has._global_class("EagleVerifyInput")
+    for method in ("prepare_for_verify", "verify", "sample"):
+        fn = _method(tree, vi, method)
+        if fn is not None:
+            params[f"EagleVerifyInput.{method}"] = _params(fn)
+    relpath, cls, method = TARGET_WORKER
+    target_params = _params(_method(tree, tree.class_in(relpath, cls), method))
+    runner = has._members(tree.class_in(*MODEL_RUNNER))
+    return Shape(
+        version=version,
+        variant=variant,
+        module_names=set(has.worker_module.bindings),
+        worker_members=has._members(has.worker),
+        draft_worker_members=has._members(has.draft_worker),
+        batch_members=has._members(tree.class_in(*SCHEDULE_BATCH)),
+        fields=fields,
+        params=params,
+        target_kwarg=next(k for k in ("is_verify", "skip_sample") if k in target_params),
+        graph_attr=next(a for a in ("graph_runner", "cuda_graph_runner") if a in runner),
+    )
+
+
+def _dataclass(name: str, spec: dict[str, bool], namespace: dict[str, Any]) -> type:
+    items = [
+        (f, Any, field(default=None)) if has_default else (f, Any)
+        for f, has_default in spec.items()
+    ]
+    return dataclasses.make_dataclass(name, items, kw_only=True, namespace=namespace)
+
+
+class Recorder:
+    """Ordered log of what the stand-ins were called with."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def add(self, name: str, **data: Any) -> None:
+        self.events.append((name, data))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+    def get(self, name: str) -> dict[str, Any]:
+        matches = [data for n, data in self.events if n == name]
+        assert len(matches) == 1, (name, self.names())
+        return matches[0]
+
+
+@dataclass
+class Req:
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: str | None = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    decode_batch_idx: int = 0
+    grammar: Any = None
+
+    def check_finished(self) -> None:
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = "length"
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+class Orchestrator:
+    def __init__(self, required: bool, recorder: Recorder) -> None:
+        self.is_required = required
+        self._recorder = recorder
+
+    def cumulate_output_tokens(self, tokens: torch.Tensor) -> None:
+        self._recorder.add("cumulate_output_tokens", tokens=tokens.clone())
+
+
+def target_logits(input_ids: torch.Tensor) -> torch.Tensor:
+    """The stand-in target model's next-token distribution: argmax is (token + 3) % V."""
+    logits = torch.zeros((input_ids.shape[0], VOCAB))
+    logits[torch.arange(input_ids.shape[0]), (input_ids.long() + 3) % VOCAB] = 10.0
+    return logits
+
+
+def target_hidden(input_ids: torch.Tensor) -> torch.Tensor:
+    return input_ids.float()[:, None].repeat(1, HIDDEN) + 0.5
+
+
+class World:
+    """A stand-in worker module, worker and decode batch for one release shape."""
+
+    def __init__(self, shape: Shape, *, threshold: int | None = 1, batch_size: int = 4,
+                 seq_len: int = 10, max_new_tokens: int = 100, **server_args: Any) -> None:
+        self.shape = shape
+        self.recorder = Recorder()
+        self.module = types.ModuleType(f"dynspec_standin_{next(_counter)}")
+        sys.modules[self.module.__name__] = self.module
+        self.server_args = types.SimpleNamespace(
+            speculative_disable_batch_threshold=threshold,
+            speculative_algorithm="EAGLE3",
+            enable_dp_attention=False,
+            pp_size=1,
+            speculative_eagle_topk=1,
+            max_running_requests=48,
+            **server_args,
+        )
+        self.graph_sentinel = object()
+        self.req_to_token = torch.arange(8 * 64, dtype=torch.int32).reshape(8, 64) + 1000
+        self.next_slot = 5000
+        self._install_globals()
+        self.worker = self._make_worker()
+        self.batch = self._make_batch(batch_size, seq_len, max_new_tokens)
+
+    # -- module globals ---------------------------------------------------------------------
+
+    def _install_globals(self) -> None:
+        shape, rec, world = self.shape, self.recorder, self
+        available: dict[str, Any] = {
+            "CaptureHiddenMode": CaptureHiddenMode,
+            "ForwardMode": ForwardMode,
+            "generate_token_bitmask": world._bitmask,
+        }
+        verify_params = shape.params.get("EagleVerifyInput.verify", set())
+        sample_params = shape.params.get("EagleVerifyInput.sample", set())
+
+        def prepare_for_verify(self, batch, page_size):
+            rec.add("prepare_for_verify", page_size=page_size, vi=self)
+            batch.input_ids = self.draft_token
+            n = len(self.draft_token)
+            slots = torch.arange(world.next_slot, world.next_slot + n, dtype=torch.int64)
+            world.next_slot += n
+            batch.out_cache_loc = slots
+            rows = batch.req_pool_indices.long()
+            world.req_to_token[rows, batch.seq_lens.long()] = slots.to(torch.int32)
+
+        def verify(self, batch, logits_output, token_to_kv_pool_allocator, page_size,
+                   vocab_mask=None):
+            rec.add("verify", vi=self, spec_info_is_self=batch.spec_info is self,
+                    seq_lens=batch.seq_lens.clone(), vocab_mask=vocab_mask,
+                    allocator=token_to_kv_pool_allocator, page_size=page_size)
+            return world._verify_one_node(self, batch, logits_output)
+
+        def sample(self, batch, logits_output, vocab_mask=None):
+            rec.add("sample", vi=self, vocab_mask=vocab_mask)
+            predict = logits_output.next_token_logits.argmax(-1).to(torch.int32)
+            bs = predict.shape[0]
+            accept_index = torch.arange(bs, dtype=torch.int32)[:, None]
+            return predict, torch.ones(bs, dtype=torch.int32), accept_index
+
+        namespace: dict[str, Any] = {}
+        if "EagleVerifyInput.prepare_for_verify" in shape.params:
+            namespace["prepare_for_verify"] = prepare_for_verify
+        if verify_params:
+            namespace["verify"] = verify if "vocab_mask" in verify_params else (
+                lambda self, b, lo, a, p: verify(self, b, lo, a, p))
+        if sample_params:
+            namespace["sample"] = sample if "vocab_mask" in sample_params else (
+                lambda self, b, lo: sample(self, b, lo))
+        for cls_name, spec in shape.fields.items():
+            available[cls_name] = _dataclass(
+                cls_name, spec, namespace if cls_name == "EagleVerifyInput" else {})
+
+        @contextlib.contextmanager
+        def moe_context():
+            rec.add("moe_enter")
+            yield
+
+        available["speculative_moe_backend_context"] = moe_context
+        available["speculative_moe_a2a_backend_context"] = moe_context
+        available["add_output_logprobs_for_spec_v1"] = (
+            lambda batch, res, lo: rec.add("logprobs_v1", res=res))
+        available["compute_spec_v2_logprobs"] = (
+            lambda batch, lo, predict, accept_index, steps: rec.add(
+                "logprobs_v2", accept_index=accept_index.clone(), predict=predict.clone()))
+        available["ScheduleBatch"] = type(
+            "ScheduleBatch", (_BatchBase,),
+            {"maybe_evict_swa": _BatchBase._evict} if "maybe_evict_swa" in shape.batch_members
+            else {},
+        )
+        for name, value in available.items():
+            if name in shape.module_names:
+                setattr(self.module, name, value)
+
+    def _bitmask(self, reqs, vi, next_token_cpu, next_sibling_cpu, draft_cpu, vocab_size):
+        self.recorder.add("bitmask", vi=vi, draft_cpu=draft_cpu, next_token_cpu=next_token_cpu)
+        return torch.ones((len(reqs), 1), dtype=torch.int32)
+
+    def _verify_one_node(self, vi, batch, logits_output):
+        """CPU reference of EagleVerifyInput.verify for a one-node tree (greedy)."""
+        shape = self.shape
+        predict = logits_output.next_token_logits.argmax(-1).to(torch.int32)
+        bs = predict.shape[0]
+        unfinished = []
+        for i, req in enumerate(batch.reqs):
+            req.output_ids.append(int(predict[i]))
+            req.check_finished()
+            req.kv_committed_len += 1
+            if not req.finished():
+                unfinished.append(i)
+        batch.seq_lens.add_(1)
+        if getattr(batch, "seq_lens_cpu", None) is not None:
+            batch.seq_lens_cpu.add_(1)
+        keep = torch.tensor(unfinished, dtype=torch.int64)
+        next_name = shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_NEXT)
+        root = shape.pick("EagleDraftInput", ROOT)
+        if next_name == "draft_extend_input":
+            next_input = self.module.EagleDraftExtendInput(
+                input_ids=predict[keep], hidden_states=vi.hidden_states[keep])
+        else:
+            next_input = self.module.EagleDraftInput(
+                **{root: predict[keep]}, hidden_states=vi.hidden_states[keep],
+                accept_length=torch.zeros(len(unfinished), dtype=torch.int32),
+                accept_length_cpu=[0] * len(unfinished))
+        out = self.module.EagleVerifyOutput(**{
+            next_name: next_input,
+            "logits_output": logits_output,
+            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_TOKENS): predict,
+            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_PER_REQ): [0] * bs,
+            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_INDICES): torch.arange(bs),
+        })
+        return out
+
+    # -- worker -----------------------------------------------------------------------------
+
+    def _make_worker(self) -> Any:
+        shape, rec, world = self.shape, self.recorder, self
+        target = _TargetWorker(world)
+
+        @contextlib.contextmanager
+        def draft_tp_context(group):
+            rec.add("draft_tp_enter", group=group)
+            yield
+
+        if shape.variant == "v1":
+            base = _TupleEntry if "forward_batch_speculative_generation" in (
+                shape.worker_members) else _ResultEntry
+            members: dict[str, Any] = {}
+            if "add_logprob_values" in shape.worker_members:
+                members["add_logprob_values"] = (
+                    lambda self, batch, res, lo: rec.add("add_logprob_values", res=res))
+            if "_draft_preprocess_idle" in shape.worker_members:
+                members["_draft_preprocess_idle"] = lambda self, batch: world._preprocess_idle(
+                    batch)
+            members["forward_draft_extend_after_decode"] = (
+                lambda self, batch: world._draft_extend_v1(batch))
+            cls = type("EAGLEWorker", (base,), {**members, "__module__": self.module.__name__})
+            worker = cls()
+            worker.draft_model_runner = types.SimpleNamespace(tp_group="draft-tp")
+            worker.token_to_kv_pool_allocator = "allocator"
+            worker.page_size = 1
+        else:
+            cls = type("EAGLEWorkerV2", (_V2Entry,), {"__module__": self.module.__name__})
+            if "_compute_spec_v2_logprobs" in shape.worker_members:
+                cls._compute_spec_v2_logprobs = (
+                    lambda self, batch, lo, predict, accept_index: rec.add(
+                        "logprobs_v2", accept_index=accept_index.clone(),
+                        predict=predict.clone()))
+            worker = cls()
+            worker.speculative_num_draft_tokens = 4
+            worker.speculative_num_steps = 3
+            worker.req_to_token_pool = types.SimpleNamespace(req_to_token=self.req_to_token)
+            worker.draft_worker = types.SimpleNamespace(
+                draft_tp_context=draft_tp_context,
+                draft_runner=types.SimpleNamespace(tp_group="draft-tp"),
+                _draft_extend_for_decode=world._draft_extend_v2,
+            )
+        worker.server_args = self.server_args
+        worker.target_worker = target
+        worker.draft_tp_context = draft_tp_context
+        worker.tp_rank = 0
+        worker.adaptive_controller = _ForbiddenController()
+        self.module.__dict__[type(worker).__name__] = type(worker)
+        return worker
+
+    def _draft_extend_v1(self, batch: Any) -> Any:
+        info = batch.spec_info
+        self.recorder.add("draft_extend", spec_info=info, seq_lens=batch.seq_lens.clone())
+        if self.shape.has_field("EagleVerifyOutput", "draft_extend_input"):
+            root = self.shape.pick("EagleDraftInput", ROOT)
+            return self.module.EagleDraftInput(**{root: info.input_ids},
+                                               hidden_states=info.hidden_states)
+        return None
+
+    def _preprocess_idle(self, batch: Any) -> None:
+        self.recorder.add("preprocess_idle")
+        batch.spec_info = "idle-draft-input"
+
+    def _draft_extend_v2(self, batch: Any, result: Any) -> None:
+        """Records the inputs and emulates the select_index of _draft_extend_for_decode."""
+        stride = self.worker.speculative_num_draft_tokens
+        bs = len(batch.seq_lens)
+        select = torch.arange(bs) * stride + result.accept_lens - 1
+        self.recorder.add(
+            "draft_extend_v2",
+            out_cache_loc=batch.out_cache_loc.clone(),
+            input_ids=result.next_token_ids.clone(),
+            hidden=result.logits_output.hidden_states.clone(),
+            selected_hidden=result.logits_output.hidden_states[select].clone(),
+            selected_tokens=result.next_token_ids[select].clone(),
+        )
+        draft_input = result.next_draft_input
+        draft_input.hidden_states = result.logits_output.hidden_states[select]
+
+    # -- batch ------------------------------------------------------------------------------
+
+    def _make_batch(self, bs: int, seq_len: int, max_new_tokens: int) -> Any:
+        root_name = self.shape.pick("EagleDraftInput", ROOT)
+        roots = torch.arange(bs, dtype=torch.int32) + 1
+        spec_info = self.module.EagleDraftInput(
+            **{root_name: roots}, hidden_states=torch.zeros(bs, HIDDEN))
+        batch = self.module.ScheduleBatch() if self.shape.variant == "v1" else _V2Batch()
+        batch.reqs = [Req(max_new_tokens=max_new_tokens) for _ in range(bs)]
+        batch.seq_lens = torch.full((bs,), seq_len, dtype=torch.int64)
+        batch.seq_lens_cpu = batch.seq_lens.clone()
+        batch.seq_lens_sum = seq_len * bs
+        batch.req_pool_indices = torch.arange(bs, dtype=torch.int64) + 2
+        batch.forward_mode = ForwardMode.DECODE
+        batch.is_extend_in_batch = False
+        batch.has_grammar = False
+        batch.return_logprob = False
+        batch.return_hidden_states = False
+        batch.global_num_tokens = None
+        batch.input_ids = torch.zeros(bs, dtype=torch.int32)
+        batch.out_cache_loc = torch.zeros(bs, dtype=torch.int64)
+        batch.capture_hidden_mode = CaptureHiddenMode.LAST
+        batch.sampling_info = types.SimpleNamespace(
+            penalizer_orchestrator=Orchestrator(False, self.recorder), vocab_size=VOCAB,
+            vocab_mask="stale-mask")
+        batch.spec_info = spec_info
+        return batch
+
+
+class _BatchBase:
+    """ScheduleBatch stand-in (attributes are set by World)."""
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def _evict(self) -> None:
+        self._evicted = True
+
+    def get_model_worker_batch(self) -> Any:
+        spec = self.spec_info
+        return types.SimpleNamespace(
+            bid=77,
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens_cpu,
+            seq_lens_sum=self.seq_lens_sum,
+            out_cache_loc=self.out_cache_loc,
+            spec_info=spec,
+            capture_hidden_mode=getattr(spec, "capture_hidden_mode", CaptureHiddenMode.NULL),
+        )
+
+
+class _V2Batch:
+    """ModelWorkerBatch (<= 0.5.12) / ScheduleBatch (0.5.13) stand-in."""
+
+
+class _ForbiddenController:
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the fallback touched adaptive_controller.{name}")
+
+
+class _TargetWorker:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.model_runner = types.SimpleNamespace()
+        setattr(self.model_runner, world.shape.graph_attr, world.graph_sentinel)
+        self.fail_with: Exception | None = None
+        kwarg = world.shape.target_kwarg
+        # The keyword the real target worker takes, so inspect.signature sees it.
+        namespace: dict[str, Any] = {}
+        exec(
+            f"def forward_batch_generation(mwb, {kwarg}=False):\n"
+            f"    return call(mwb, {kwarg})\n",
+            {"call": self._forward},
+            namespace,
+        )
+        self.forward_batch_generation = namespace["forward_batch_generation"]
+
+    def _forward(self, mwb: Any, flag: bool) -> Any:
+        world = self.world
+        world.recorder.add(
+            "target_forward",
+            flag=flag,
+            mode=mwb.forward_mode,
+            spec_info=mwb.spec_info,
+            capture=mwb.capture_hidden_mode,
+            seq_lens=mwb.seq_lens.clone(),
+            seq_lens_is_batch_tensor=mwb.seq_lens is world.batch.seq_lens,
+            seq_lens_cpu=None if mwb.seq_lens_cpu is None else mwb.seq_lens_cpu.clone(),
+            seq_lens_sum=mwb.seq_lens_sum,
+            batch_seq_lens=world.batch.seq_lens.clone(),
+            input_ids=mwb.input_ids.clone(),
+            out_cache_loc=mwb.out_cache_loc.clone(),
+            graph=getattr(self.model_runner, world.shape.graph_attr),
+        )
+        if self.fail_with is not None:
+            raise self.fail_with
+        logits_output = types.SimpleNamespace(
+            next_token_logits=target_logits(mwb.input_ids),
+            hidden_states=target_hidden(mwb.input_ids),
+        )
+        if world.shape.target_kwarg == "skip_sample":
+            return logits_output, None, True
+        return types.SimpleNamespace(logits_output=logits_output, can_run_cuda_graph=True)
+
+
+class _TupleEntry:
+    def forward_batch_speculative_generation(self, batch):
+        if batch.forward_mode.is_decode():
+            return (1, 2, 3, 4, 5)
+        return (1, 2, 3, 0, False)
+
+
+class _ResultEntry:
+    def forward_batch_generation(self, batch):
+        return None
+
+
+class _V2Entry:
+    def forward_batch_generation(self, batch, on_publish=None):
+        return None
