@@ -24,7 +24,9 @@ def copy_targets(pin: Pin, dest: Path) -> Path:
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` (the sglang dir and its state dir beside it), by path."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""apply / re-apply / revert / dry-run through the CLI, on the real files of every pinned release."""
+"""apply, re-apply, revert and dry-run via the CLI, on the real files of every pinned release."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def worker_flag(pin: Pin) -> str:
 
 
 def apply(capsys, package: Path, pin: Pin, *extra: str) -> tuple[int, dict]:
-    return cli_json(capsys, "apply", "--sglang-root", str(package), "--worker",
-                    worker_flag(pin), *extra)
+    return cli_json(
+        capsys, "apply", "--sglang-root", str(package), "--worker", worker_flag(pin), *extra
+    )
 
 
 def class_body(tree: ast.Module, name: str) -> list[ast.stmt]:
@@ -55,9 +56,12 @@ def assert_server_args_patched(source: str) -> None:
     assert ast.unparse(field.annotation) == "Optional[int]"
     assert isinstance(field.value, ast.Constant) and field.value.value is None
     calls = [
-        node for node in ast.walk(method(body, ("add_cli_args",)))
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
-        and node.args and getattr(node.args[0], "value", None) == "--speculative-disable-batch-threshold"
+        node
+        for node in ast.walk(method(body, ("add_cli_args",)))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", "") == "add_argument"
+        and node.args
+        and getattr(node.args[0], "value", None) == "--speculative-disable-batch-threshold"
     ]
     assert len(calls) == 1
     keywords = {kw.arg: ast.unparse(kw.value) for kw in calls[0].keywords}
@@ -70,9 +74,13 @@ def assert_server_args_patched(source: str) -> None:
 
 def assert_hooked(source: str, class_name: str, function: str) -> None:
     tree = ast.parse(source)
-    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)
-               and n.module == "sglang.srt.speculative"
-               and [a.name for a in n.names] == ["dynspec_fallback"]]
+    imports = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom)
+        and n.module == "sglang.srt.speculative"
+        and [a.name for a in n.names] == ["dynspec_fallback"]
+    ]
     assert len(imports) == 1
     body = class_body(tree, class_name)
     entry = method(body, ("forward_batch_speculative_generation", "forward_batch_generation"))
@@ -88,8 +96,11 @@ def assert_hooked(source: str, class_name: str, function: str) -> None:
 @pytest.mark.parametrize("pin", PATCHABLE, ids=lambda p: p.version)
 def test_apply_patches_every_expected_file(pin, scratch, capsys):
     package = scratch(pin)
-    originals = {p: (package / p).read_bytes() for p in (SERVER_ARGS, *WORKER_FILES.values())
-                 if (package / p).exists()}
+    originals = {
+        p: (package / p).read_bytes()
+        for p in (SERVER_ARGS, *WORKER_FILES.values())
+        if (package / p).exists()
+    }
     code, result = apply(capsys, package, pin, "--threshold", "4")
     assert code == 0, result
     assert result["route"] == "patch"
@@ -105,10 +116,13 @@ def test_apply_patches_every_expected_file(pin, scratch, capsys):
         assert marker_comment(TOOL_VERSION).encode() in data
     assert_server_args_patched((package / SERVER_ARGS).read_text())
     if "v1" in pin.workers:
-        assert_hooked((package / WORKER_FILES["v1"]).read_text(), "EAGLEWorker", "maybe_fallback_v1")
+        assert_hooked(
+            (package / WORKER_FILES["v1"]).read_text(), "EAGLEWorker", "maybe_fallback_v1"
+        )
     if "v2" in pin.workers:
-        assert_hooked((package / WORKER_FILES["v2"]).read_text(), "EAGLEWorkerV2",
-                      "maybe_fallback_v2")
+        assert_hooked(
+            (package / WORKER_FILES["v2"]).read_text(), "EAGLEWorkerV2", "maybe_fallback_v2"
+        )
     for worker in set(WORKER_FILES) - set(pin.workers):
         path = WORKER_FILES[worker]
         if path in originals:  # present but not patched (e.g. the beta v2): untouched
@@ -177,8 +191,9 @@ def test_beta_v2_is_refused_in_auto_and_v1_alone_is_patched(scratch, snapshot_tr
 def test_native_release_gets_flags_and_config_not_a_patch(pin, scratch, snapshot_tree, capsys):
     package = scratch(pin)
     before = snapshot_tree(package)
-    code, result = cli_json(capsys, "apply", "--sglang-root", str(package), "--threshold", "16",
-                            "--num-steps", "3")
+    code, result = cli_json(
+        capsys, "apply", "--sglang-root", str(package), "--threshold", "16", "--num-steps", "3"
+    )
     assert code == 0, result
     assert result["route"] == "native"
     native = result["native"]
@@ -195,8 +210,11 @@ def test_hand_edited_patched_file_is_unknown_and_refused(scratch, snapshot_tree,
     package = scratch(pin)
     assert apply(capsys, package, pin)[0] == 0
     worker = package / WORKER_FILES["v1"]
-    worker.write_text(worker.read_text().replace("maybe_fallback_v1(self, batch)",
-                                                 "maybe_fallback_v1(self, batch, 3)"))
+    worker.write_text(
+        worker.read_text().replace(
+            "maybe_fallback_v1(self, batch)", "maybe_fallback_v1(self, batch, 3)"
+        )
+    )
     before = snapshot_tree(package.parent)
     code, status = cli_json(capsys, "status", "--sglang-root", str(package))
     states = {f["path"]: f["state_before"] for f in status["files"]}
@@ -229,8 +247,11 @@ def test_partly_patched_file_is_unknown(scratch, capsys):
     assert apply(capsys, package, pin)[0] == 0
     server_args = package / SERVER_ARGS
     lines = server_args.read_text().splitlines(keepends=True)
-    (field_line,) = [i for i, line in enumerate(lines)
-                     if line.lstrip().startswith("speculative_disable_batch_threshold:")]
+    (field_line,) = [
+        i
+        for i, line in enumerate(lines)
+        if line.lstrip().startswith("speculative_disable_batch_threshold:")
+    ]
     del lines[field_line]
     server_args.write_text("".join(lines))
     code, result = cli_json(capsys, "apply", "--sglang-root", str(package))
