@@ -196,15 +196,15 @@ class World:
         self.recorder = Recorder()
         self.module = types.ModuleType(f"dynspec_standin_{next(_counter)}")
         sys.modules[self.module.__name__] = self.module
-        self.server_args = types.SimpleNamespace(
-            speculative_disable_batch_threshold=threshold,
-            speculative_algorithm="EAGLE3",
-            enable_dp_attention=False,
-            pp_size=1,
-            speculative_eagle_topk=1,
-            max_running_requests=48,
+        self.server_args = types.SimpleNamespace(**{
+            "speculative_disable_batch_threshold": threshold,
+            "speculative_algorithm": "EAGLE3",
+            "enable_dp_attention": False,
+            "pp_size": 1,
+            "speculative_eagle_topk": 1,
+            "max_running_requests": 48,
             **server_args,
-        )
+        })
         self.graph_sentinel = object()
         self.req_to_token = torch.arange(8 * 64, dtype=torch.int32).reshape(8, 64) + 1000
         self.next_slot = 5000
@@ -427,6 +427,8 @@ class World:
         batch.sampling_info = types.SimpleNamespace(
             penalizer_orchestrator=Orchestrator(False, self.recorder), vocab_size=VOCAB,
             vocab_mask="stale-mask")
+        if self.shape.has_field("EagleDraftInput", "allocate_lens"):
+            spec_info.allocate_lens = batch.seq_lens + 8
         batch.spec_info = spec_info
         return batch
 
