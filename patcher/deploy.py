@@ -1,0 +1,486 @@
+"""Operations on a host: apply, revert, status, detect-path over one SSH connection.
+
+Order of an ``apply`` (each step is one request to the remote agent, which holds a ``flock``
+on ``<site-packages>/.dynspec-patch/lock`` for the whole command):
+
+1. ``facts``   read processes, server info, package files, manifest (one round trip);
+   the engine plans locally (libcst never runs on the host);
+2. ``stage``   every new file is written beside its target and compiled with the server's
+   own python; the current bytes must still be the ones planned from;
+3. ``commit``  undo copies + originals + manifest + journal, then ``rename`` into place;
+4. ``restart`` on the host, autonomously: stop the tree, wait for the port (and GPU),
+   relaunch with the new flag, gate on /health and a tiny generation, prove the flag in
+   /server_info; on any failure undo step 3 and relaunch the original command.
+
+Everything that can be verified is verified before the server is stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import posixpath
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from patcher.engine import THRESHOLD_FLAG, FileChange, Plan, plan_apply, plan_revert, plan_status
+from patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
+from patcher.facts import HostFacts, ServerProcess, gather, has_flag
+from patcher.manifest import FileRecord, Manifest, sha256_or_none
+from patcher.ssh import AgentSession, Connection, ConnectionLost, RemoteError, SshTarget
+from transforms.native_adaptive import CONFIG_FILE_NAME
+
+PENDING_NAME = "restart-pending.json"
+FIELD = "speculative_disable_batch_threshold"
+ADAPTIVE_BARE = "--speculative-adaptive"
+ADAPTIVE_CONFIG = "--speculative-adaptive-config"
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Test hooks: drop the connection after a step, or make the agent die mid-commit."""
+
+    drop_connection_after: str | None = None  # facts | staged | committed | restart-sent
+    agent: str | None = None  # die-mid-commit
+
+
+@dataclass
+class Session:
+    conn: Connection
+    agent: AgentSession
+    faults: Faults
+
+    def step(self, name: str) -> None:
+        if self.faults.drop_connection_after == name:
+            self.conn.abort()
+
+
+@contextmanager
+def session(target: SshTarget, *, accept_new_host_key: bool, faults: Faults | None = None,
+            on_progress: Callable[[str], None] | None = None) -> Iterator[Session]:
+    conn = Connection(target, accept_new_host_key=accept_new_host_key)
+    try:
+        conn.open()
+        agent = conn.agent(on_progress=on_progress)
+        yield Session(conn, agent, faults or Faults())
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def edit_argv(argv: Sequence[str], *, remove_valued: Sequence[str] = (),
+              remove_bare: Sequence[str] = (), add: Sequence[str] = ()) -> list[str]:
+    """Drop every ``--flag value`` / ``--flag=value`` in ``remove_valued`` and every bare flag
+    in ``remove_bare``, then append ``add``. argv[0] and the module stay untouched."""
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if i > 0 and name in remove_valued:
+            skip = "=" not in arg
+            continue
+        if i > 0 and arg in remove_bare:
+            continue
+        out.append(arg)
+    return out + list(add)
+
+
+def desired_argv(argv: Sequence[str], plan: Plan) -> list[str]:
+    if plan.route == "native":
+        return edit_argv(argv, remove_valued=(ADAPTIVE_CONFIG,), remove_bare=(ADAPTIVE_BARE,),
+                         add=plan.server_flags)
+    if not plan.server_flags:
+        return list(argv)  # no --threshold: keep whatever the command line says
+    return edit_argv(argv, remove_valued=(THRESHOLD_FLAG,), add=plan.server_flags)
+
+
+def expectations(plan: Plan, threshold: int | None, config_path: str) -> dict[str, Any]:
+    """What /server_info must report once the patched server runs."""
+    if plan.route == "native":
+        return {"speculative_adaptive": True, "speculative_adaptive_config": config_path}
+    return {FIELD: threshold if threshold is not None else "<present>"}
+
+
+def proof_holds(info: Mapping[str, Any] | None, expect: Mapping[str, Any]) -> bool:
+    if info is None:
+        return False
+    for key, value in expect.items():
+        if value == "<present>" and key not in info:
+            return False
+        if value == "<absent>" and key in info:
+            return False
+        if value not in ("<present>", "<absent>") and info.get(key) != value:
+            return False
+    return True
+
+
+def next_manifest(previous: Manifest | None, plan: Plan) -> Manifest | None:
+    """Records after ``plan``: the first ``before`` of a file is kept across applies."""
+    records: dict[str, FileRecord] = previous.by_path() if previous else {}
+    for change in plan.changes:
+        first = records.get(change.path)
+        if plan.operation == "revert":
+            records.pop(change.path, None)
+            continue
+        original = first.sha256_before if first else sha256_or_none(change.before)
+        records[change.path] = FileRecord(change.path, original, sha256_or_none(change.after))
+    if not records:
+        return None
+    return Manifest(plan.sglang_version, tuple(records[p] for p in sorted(records)))
+
+
+def host_state(facts: HostFacts, plan: Plan) -> str:
+    """original | patched | mixed | unknown — from the bytes, checked against the manifest."""
+    if facts.manifest is not None and facts.manifest.files:
+        current = {p: sha256_or_none(facts.snapshot.get(p)) for p in facts.manifest.by_path()}
+        records = facts.manifest.files
+        if all(current.get(r.path) == r.sha256_after for r in records):
+            return "patched"
+        if all(current.get(r.path) == r.sha256_before for r in records):
+            return "original"
+        return "mixed"
+    states = {f.state_before for f in plan.files}
+    if not states or states <= {"unpatched", "missing"}:
+        return "original"
+    if "unknown" in states:
+        return "unknown"
+    return "patched" if "unpatched" not in states else "mixed"
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _pending_mark(reason: str, argv: Sequence[str] | None) -> dict[str, Any]:
+    import time
+
+    return {"reason": reason, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "argv": list(argv) if argv is not None else None}
+
+
+# --------------------------------------------------------------------------- facts → result
+
+
+def choose_server(facts: HostFacts, *, required: bool) -> ServerProcess | None:
+    if facts.selected is not None:
+        return facts.selected
+    if len(facts.servers) > 1:
+        listing = ", ".join(f"pid {s.pid} (port {s.port})" for s in facts.servers)
+        raise UsageError(f"several SGLang servers run on the host: {listing}; "
+                         "choose one with --pid or --port")
+    if facts.servers:  # one server, but --pid/--port matched nothing
+        raise UsageError(f"no SGLang server matches --pid/--port (running: pid "
+                         f"{facts.servers[0].pid}, port {facts.servers[0].port})")
+    if required:
+        raise RefusedError("no running SGLang server found on the host (python -m "
+                           "sglang.launch_server / sglang serve); use --no-restart to patch the "
+                           "files of the python3 on PATH only")
+    return None
+
+
+def _require_package(facts: HostFacts) -> str:
+    if facts.package_dir is None:
+        why = "; ".join(facts.errors) or "not found"
+        raise RefusedError(f"cannot locate the sglang package on the host: {why}")
+    return facts.package_dir
+
+
+def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
+    eff = facts.effective.values if facts.effective else {}
+    return {
+        "host": conn.target.alias,
+        "login": f"{conn.target.user}@{conn.target.hostname}:{conn.target.port}",
+        "remote_user": facts.hello.get("user"),
+        "sudo": bool(facts.hello.get("sudo_user")),
+        "package_dir": facts.package_dir,
+        "package_found_with": "the server's python" if not facts.package_from_fallback
+        else "python3 on PATH (no server selected)",
+        "state_dir": facts.state_dir,
+        "release": facts.release,
+        "servers": [s.to_json() for s in facts.servers],
+        "server_pid": facts.selected.pid if facts.selected else None,
+        "live_worker": facts.live.worker,
+        "live_worker_evidence": list(facts.live.evidence),
+        "live_worker_source": facts.live.source,
+        "disable_overlap_schedule": eff.get("disable_overlap_schedule"),
+        "speculative_algorithm": eff.get("speculative_algorithm"),
+        "speculative_eagle_topk": eff.get("speculative_eagle_topk"),
+        "running_threshold": eff.get(FIELD, "absent (unpatched server_args)")
+        if facts.effective else None,
+        "restart_pending": facts.pending,
+        "recovered_interrupted_commit": facts.recovered,
+        "interrupted_commit": facts.interrupted,
+    }
+
+
+def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
+    if plan.route == "unsupported":
+        return "none: this release cannot be patched (" + plan.reason + ")"
+    if facts.interrupted:
+        return "a commit was interrupted: run apply or revert to finish it (both recover first)"
+    if plan.route == "native":
+        return "dynspec-patch apply --host H --threshold N (native --speculative-adaptive config)"
+    if state in ("unknown", "mixed"):
+        return "inspect the files marked unknown; dynspec-patch refuses to guess"
+    if state == "patched" and facts.pending:
+        return "restart pending: dynspec-patch apply --host H (restarts) or restart it yourself"
+    if state == "patched":
+        return "patched; nothing to do"
+    worker = facts.live.worker
+    if worker in ("v1", "v2"):
+        return f"dynspec-patch apply --host H --threshold N (patches the live {worker} worker)"
+    return "dynspec-patch apply --host H --threshold N --worker both (no live EAGLE worker seen)"
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
+    facts = gather(s.agent, pid=pid, port=port, lock=False)
+    choose_server(facts, required=False)
+    if facts.package_dir is None:
+        return {**describe(facts, s.conn), "errors": list(facts.errors),
+                "recommended": "sglang not found on the host"}
+    plan = plan_status(facts.snapshot)
+    state = host_state(facts, plan)
+    return {**describe(facts, s.conn), "host_state": state,
+            "recommended": recommendation(facts, plan, state), "plan": plan}
+
+
+def status(s: Session) -> dict[str, Any]:
+    facts = gather(s.agent, pid=None, port=None, lock=False)
+    if facts.package_dir is None:
+        return {**describe(facts, s.conn), "host_state": "no sglang package found",
+                "errors": list(facts.errors)}
+    plan = plan_status(facts.snapshot)
+    state = host_state(facts, plan)
+    info = facts.selected.info if facts.selected else None
+    running = None
+    if info is not None:
+        running = "patched code" if FIELD in info or info.get("speculative_adaptive") else \
+            "original code"
+    manifest = facts.manifest
+    return {
+        **describe(facts, s.conn),
+        "host_state": state,
+        "server_runs": running,
+        "manifest": None if manifest is None else {
+            "tool_version": manifest.tool_version, "created": manifest.created,
+            "user": manifest.user, "sglang_version": manifest.sglang_version,
+            "files": [r.path for r in manifest.files]},
+        "recommended": recommendation(facts, plan, state),
+        "plan": plan,
+    }
+
+
+def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequence[FileChange],
+                      *, manifest: Manifest | None, keep_manifest: bool, action: str,
+                      argv: Sequence[str] | None) -> None:
+    files = [{"path": c.path, "before_sha": sha256_or_none(c.before),
+              "after_sha": sha256_or_none(c.after), "after": _b64(c.after)} for c in changes]
+    staged = s.agent.request("stage", {"package_dir": base_dir, "python": facts.python,
+                                       "files": files})["staged"]
+    s.step("staged")
+    args: dict[str, Any] = {
+        "package_dir": base_dir, "state_dir": facts.state_dir, "files": staged,
+        "backup": action == "apply", "action": action, "fault": s.faults.agent,
+        "pending": _pending_mark(f"{action}: files changed, server not restarted yet", argv),
+    }
+    if not keep_manifest:
+        args["manifest"] = _b64(manifest.to_bytes()) if manifest else None
+        args["clear_backup"] = manifest is None
+    s.agent.request("commit", args)
+    s.step("committed")
+
+
+def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence[str], *,
+             restart_cmd: str | None, health_timeout: float, expect: Mapping[str, Any],
+             base_dir: str) -> dict[str, Any]:
+    if not restart_cmd and (server.env is None or server.cwd is None):
+        raise RefusedError(
+            f"cannot read the environment/cwd of pid {server.pid} ({server.env_error}); "
+            "restarting it without them would change how it runs: use sudo, --restart-cmd, "
+            "or --no-restart")
+    args = {"state_dir": facts.state_dir, "package_dir": base_dir, "server": dict(server.raw),
+            "argv": list(argv), "restart_cmd": restart_cmd, "health_timeout": health_timeout,
+            "expect": dict(expect), "undo": True}
+    s.agent.send("restart", args)
+    s.step("restart-sent")
+    answer = s.agent.receive(timeout=health_timeout * 2 + 900)
+    if not answer.get("ok_restart"):
+        healthy = answer.get("original_healthy")
+        tail = (f"original files restored ({', '.join(answer.get('restored') or []) or 'none'})"
+                f" and the original command relaunched: "
+                + ("healthy again, pid %s" % answer.get("pid") if healthy
+                   else "NOT healthy: " + str(answer.get("rollback_error"))))
+        raise RollbackError(f"restart failed: {answer.get('reason')}; {tail}; "
+                            f"log {answer.get('log')}")
+    verified = None
+    try:
+        path = (answer.get("proof") or {}).get("endpoint") or "/server_info"
+        resp = s.conn.http_get(server.port, path)
+        verified = resp.status == 200 and proof_holds(resp.json(), expect)
+    except (RemoteError, ConnectionLost, ValueError):
+        verified = None
+    return {"restarted": True, "pid": answer.get("pid"), "log": answer.get("log"),
+            "proof": answer.get("proof"), "verified_through_ssh_tunnel": verified}
+
+
+def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
+          restart_cmd: str | None, pid: int | None, port: int | None,
+          health_timeout: float) -> dict[str, Any]:
+    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
+    s.step("facts")
+    server = choose_server(facts, required=not (dry_run or no_restart))
+    package = _require_package(facts)
+    assert facts.state_dir is not None
+    config_path = posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
+    eff = facts.effective.values if facts.effective else {}
+    live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
+    bs = eff.get("cuda_graph_bs")
+    plan = plan_apply(
+        facts.snapshot, worker=worker, live_worker=live, threshold=threshold,
+        num_steps=eff.get("speculative_num_steps"),
+        cuda_graph_bs=bs if isinstance(bs, list) else None,
+        native_config_path=config_path,
+        recorded=facts.manifest.by_path() if facts.manifest else {},
+    )
+    result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run}
+    native_change: FileChange | None = None
+    if plan.route == "native" and plan.native is not None:
+        new = (json.dumps(plan.native.config, indent=2) + "\n").encode()
+        old = facts.state_files.get(CONFIG_FILE_NAME)
+        if old != new:
+            native_change = FileChange(CONFIG_FILE_NAME, old, new,
+                                       "absent" if old is None else "other", "written",
+                                       "added" if old is None else "patched",
+                                       f"adaptive config in {facts.state_dir}")
+            plan = Plan(plan.operation, plan.sglang_version, plan.route, plan.reason,
+                        (*plan.files, native_change), plan.native, plan.server_flags)
+    result["plan"] = plan
+    if plan.refused or dry_run:
+        if server is not None:
+            result["would_run"] = desired_argv(server.argv, plan)
+        return result
+    argv = desired_argv(server.argv, plan) if server else None
+    changed = False
+    if native_change is not None:
+        assert facts.state_dir is not None
+        _stage_and_commit(s, facts, facts.state_dir, [native_change], manifest=None,
+                          keep_manifest=True, action="apply-native", argv=argv)
+        changed = True
+    elif plan.changes:
+        manifest = next_manifest(facts.manifest, plan)
+        _stage_and_commit(s, facts, package, plan.changes, manifest=manifest,
+                          keep_manifest=False, action="apply", argv=argv)
+        changed = True
+    result["files_changed"] = [c.path for c in plan.changes]
+    expect = expectations(plan, threshold, config_path)
+    reasons = []
+    if changed:
+        reasons.append("files changed")
+    if facts.pending:
+        reasons.append("a restart was pending")
+    if server is not None and not proof_holds(server.info, expect):
+        reasons.append("the running server does not report " + json.dumps(expect))
+    if server is not None and argv != list(server.argv) and not restart_cmd:
+        reasons.append("the launch flags change")
+    if not reasons:
+        result["restart"] = "not needed: files already patched and the server reports " + \
+            json.dumps(expect)
+        return result
+    if no_restart or server is None:
+        if not changed and not facts.pending:
+            s.agent.request("write_file", {"state_dir": facts.state_dir, "name": PENDING_NAME,
+                                           "data": _b64(json.dumps(_pending_mark(
+                                               "; ".join(reasons), argv)).encode())})
+        result["restart"] = "pending (--no-restart): " + "; ".join(reasons)
+        return result
+    assert argv is not None
+    result["restart"] = _restart(
+        s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
+        expect=expect, base_dir=facts.state_dir if plan.route == "native" else package)
+    result["restart"]["why"] = "; ".join(reasons)
+    return result
+
+
+def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
+           restart_cmd: str | None, pid: int | None, port: int | None,
+           health_timeout: float) -> dict[str, Any]:
+    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
+    s.step("facts")
+    server = choose_server(facts, required=not (dry_run or no_restart))
+    package = _require_package(facts)
+    assert facts.state_dir is not None
+    config_path = posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
+    route = plan_status(facts.snapshot).route
+    if route == "native":
+        old = facts.state_files.get(CONFIG_FILE_NAME)
+        files: tuple[FileChange, ...] = ()
+        if old is not None:
+            files = (FileChange(CONFIG_FILE_NAME, old, None, "written", "absent", "removed",
+                                f"adaptive config in {facts.state_dir}"),)
+        plan = Plan("revert", facts.release, "native",
+                    "remove the adaptive config and its launch flags", files)
+        argv = None
+        if server is not None:
+            argv = list(server.argv)
+            if any(a == config_path or a == f"{ADAPTIVE_CONFIG}={config_path}" for a in argv):
+                argv = edit_argv(argv, remove_valued=(ADAPTIVE_CONFIG,),
+                                 remove_bare=(ADAPTIVE_BARE,))
+        expect: dict[str, Any] = {"speculative_adaptive_config": None} if argv != (
+            list(server.argv) if server else None) else {}
+    else:
+        plan = plan_revert(facts.snapshot,
+                           recorded=facts.manifest.by_path() if facts.manifest else {},
+                           force=force)
+        argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
+        expect = {FIELD: "<absent>"}
+    result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
+    if plan.refused or dry_run:
+        if argv is not None:
+            result["would_run"] = argv
+        return result
+    changed = bool(plan.changes)
+    if changed:
+        base = facts.state_dir if route == "native" else package
+        manifest = None if route == "native" else next_manifest(facts.manifest, plan)
+        _stage_and_commit(s, facts, base, plan.changes, manifest=manifest,
+                          keep_manifest=route == "native", action="revert", argv=argv)
+    result["files_changed"] = [c.path for c in plan.changes]
+    reasons = []
+    if changed:
+        reasons.append("files changed")
+    if facts.pending:
+        reasons.append("a restart was pending")
+    if server is not None and not proof_holds(server.info, expect):
+        reasons.append("the running server still runs the patch")
+    if server is not None and argv != list(server.argv) and not restart_cmd:
+        reasons.append("the launch flags change")
+    if not reasons:
+        result["restart"] = "not needed: nothing was patched"
+        return result
+    if no_restart or server is None:
+        if not changed and not facts.pending:
+            s.agent.request("write_file", {"state_dir": facts.state_dir, "name": PENDING_NAME,
+                                           "data": _b64(json.dumps(_pending_mark(
+                                               "; ".join(reasons), argv)).encode())})
+        result["restart"] = "pending (--no-restart): " + "; ".join(reasons)
+        return result
+    assert argv is not None
+    result["restart"] = _restart(
+        s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
+        expect=expect, base_dir=facts.state_dir if route == "native" else package)
+    result["restart"]["why"] = "; ".join(reasons)
+    return result
+
+
+__all__ = ["DynspecError", "Faults", "Session", "apply", "detect_path", "edit_argv",
+           "has_flag", "revert", "session", "status"]

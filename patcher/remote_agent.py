@@ -1,0 +1,1074 @@
+# ruff: noqa: UP031, UP022, SIM105, RUF005
+"""The remote half of dynspec-patch: a stdlib-only program shipped over SSH and run on the host.
+
+``patcher.ssh`` sends this file's source to the host's own ``python3`` (under ``sudo -n`` when
+the login is not root), so it must not import anything outside the standard library and must
+run on Python 3.8+. It speaks newline-delimited JSON on stdin/stdout: one request, zero or more
+``{"progress": ...}`` lines, then one ``{"ok": ...}`` answer.
+
+Why an agent and not one shell command per step:
+- the ``flock`` on ``<state>/lock`` is held by this process for the whole command, and released
+  by the kernel the moment the process dies (connection lost, Ctrl-C): no stale locks;
+- every step is one request, so ``apply --no-restart`` is three round trips;
+- a request that has started runs to its end even if the SSH connection drops (answers to a
+  closed pipe are dropped), so a restart that fails still rolls itself back on the host.
+
+Nothing here decides *what* to patch: the bytes to write arrive from the planning engine.
+"""
+
+import base64
+import errno
+import fcntl
+import getpass
+import hashlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+AGENT_PROTOCOL = 1
+STATE_DIRNAME = ".dynspec-patch"
+LAUNCH_MODULES = ("sglang.launch_server",)
+PROC = os.environ.get("DYNSPEC_PROC", "/proc")
+
+STAGE_NAME = ".%s.dynspec-stage.tmp"
+
+_lock_fd = None
+_out = sys.stdout
+_staged = []  # temp files written by stage and not yet renamed: removed if the client leaves
+
+
+class Refused(Exception):
+    kind = "refused"
+
+
+class Busy(Exception):
+    kind = "busy"
+
+
+def emit(obj):
+    global _out
+    if _out is None:
+        return
+    try:
+        _out.write(json.dumps(obj) + "\n")
+        _out.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        _out = None  # the client is gone; finish the request anyway
+
+
+def progress(msg):
+    emit({"progress": msg})
+
+
+def sha256_bytes(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path):
+    try:
+        with open(path, "rb") as fh:
+            return sha256_bytes(fh.read())
+    except FileNotFoundError:
+        return None
+
+
+def read_bytes(path):
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def b64(data):
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def unb64(text):
+    return None if text is None else base64.b64decode(text)
+
+
+def fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path, data, like=None, mode=0o644):
+    """Write ``data`` to ``path`` via a temp file beside it and ``rename``."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, ".%s.dynspec-%d.tmp" % (os.path.basename(path), os.getpid()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if like and os.path.exists(like):
+        copy_owner_mode(like, tmp)
+    os.rename(tmp, path)
+    fsync_dir(directory)
+
+
+def copy_owner_mode(src, dst):
+    st = os.stat(src)
+    os.chmod(dst, st.st_mode & 0o7777)
+    if os.geteuid() == 0:
+        os.chown(dst, st.st_uid, st.st_gid)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _read_proc(pid, name):
+    return read_bytes(os.path.join(PROC, str(pid), name))
+
+
+def proc_stat(pid):
+    raw = _read_proc(pid, "stat")
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", "replace")
+    rest = text[text.rfind(")") + 2 :].split()
+    return {
+        "state": rest[0],
+        "ppid": int(rest[1]),
+        "pgid": int(rest[2]),
+        "sid": int(rest[3]),
+        "starttime": int(rest[19]),
+    }
+
+
+def alive(pid):
+    st = proc_stat(pid)
+    return st is not None and st["state"] not in ("Z", "X")
+
+
+def all_pids():
+    out = []
+    for name in os.listdir(PROC):
+        if name.isdigit():
+            out.append(int(name))
+    return out
+
+
+def argv_of(pid):
+    raw = _read_proc(pid, "cmdline")
+    if not raw:
+        return None
+    return [p.decode("utf-8", "surrogateescape") for p in raw.rstrip(b"\0").split(b"\0")]
+
+
+def environ_of(pid):
+    try:
+        with open(os.path.join(PROC, str(pid), "environ"), "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        return None, "cannot read /proc/%d/environ: %s" % (pid, exc.strerror)
+    env = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            k, v = item.split(b"=", 1)
+            env[k.decode("utf-8", "surrogateescape")] = v.decode("utf-8", "surrogateescape")
+    return env, None
+
+
+def readlink(path):
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def is_server_argv(argv):
+    """True for ``python -m sglang.launch_server ...`` and ``sglang serve ...``."""
+    if not argv:
+        return False
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in LAUNCH_MODULES:
+            return True
+        if arg.startswith("-m") and arg[2:] in LAUNCH_MODULES:
+            return True
+        base = os.path.basename(arg)
+        if base == "sglang" and i + 1 < len(argv) and argv[i + 1] == "serve" and i <= 1:
+            return True
+        if arg.endswith("sglang/launch_server.py") and i <= 1:
+            return True
+    return False
+
+
+def flag_value(argv, name):
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1 :]
+    return value
+
+
+def listening_inodes():
+    """Map socket inode -> port for TCP sockets in LISTEN state."""
+    out = {}
+    for name in ("tcp", "tcp6"):
+        raw = read_bytes(os.path.join(PROC, "net", name))
+        if not raw:
+            continue
+        for line in raw.decode().splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A":
+                out[parts[9]] = int(parts[1].rsplit(":", 1)[1], 16)
+    return out
+
+
+def listening_ports():
+    return sorted(set(listening_inodes().values()))
+
+
+def descendants(root):
+    children = {}
+    for pid in all_pids():
+        st = proc_stat(pid)
+        if st:
+            children.setdefault(st["ppid"], []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, ()):
+            if child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def ports_of(pids):
+    inodes = listening_inodes()
+    ports = set()
+    for pid in pids:
+        fd_dir = os.path.join(PROC, str(pid), "fd")
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            target = readlink(os.path.join(fd_dir, fd)) or ""
+            if target.startswith("socket:["):
+                inode = target[8:-1]
+                if inode in inodes:
+                    ports.add(inodes[inode])
+    return sorted(ports)
+
+
+def uid_of(pid):
+    raw = _read_proc(pid, "status")
+    if raw:
+        for line in raw.decode("utf-8", "replace").splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    return None
+
+
+def find_servers():
+    me = os.getpid()
+    matches = {}
+    for pid in all_pids():
+        if pid == me:
+            continue
+        argv = argv_of(pid)
+        st = proc_stat(pid)
+        if not argv or not st or st["state"] in ("Z", "X") or not is_server_argv(argv):
+            continue
+        matches[pid] = (argv, st)
+    servers = []
+    for pid, (argv, st) in sorted(matches.items()):
+        if st["ppid"] in matches:
+            continue  # a forked child of a server we already list
+        uid = uid_of(pid)
+        try:
+            user = pwd.getpwuid(uid).pw_name if uid is not None else None
+        except KeyError:
+            user = None
+        env, env_error = environ_of(pid)
+        tree = [pid, *descendants(pid)]
+        ports = ports_of(tree)
+        port_flag = flag_value(argv, "--port")
+        stdout = readlink(os.path.join(PROC, str(pid), "fd", "1"))
+        servers.append(
+            {
+                "pid": pid,
+                "ppid": st["ppid"],
+                "pgid": st["pgid"],
+                "sid": st["sid"],
+                "uid": uid,
+                "gid": None,
+                "user": user,
+                "argv": argv,
+                "env": env,
+                "env_error": env_error,
+                "cwd": readlink(os.path.join(PROC, str(pid), "cwd")),
+                "exe": readlink(os.path.join(PROC, str(pid), "exe")),
+                "listening": ports,
+                "port": int(port_flag) if port_flag and port_flag.isdigit() else None,
+                "host": flag_value(argv, "--host"),
+                "stdout": stdout if stdout and stdout.startswith("/") else None,
+                "tree": tree,
+            }
+        )
+    return servers
+
+
+def server_port(server):
+    if server.get("port"):
+        return server["port"]
+    if server.get("listening"):
+        return server["listening"][0]
+    return 30000
+
+
+def connect_host(server):
+    host = server.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", "", "localhost"):
+        return "127.0.0.1"
+    return host
+
+
+# --------------------------------------------------------------------------- HTTP on the host
+
+
+def http_get(host, port, path, api_key=None, timeout=5.0, data=None):
+    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, port, path)
+    req = urllib.request.Request(url, data=data)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", "Bearer " + api_key)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, ValueError) as exc:
+        return None, str(exc).encode()
+
+
+def server_info(server):
+    host, port = connect_host(server), server_port(server)
+    api_key = flag_value(server["argv"], "--api-key")
+    tried = []
+    for path in ("/server_info", "/get_server_info"):
+        status, body = http_get(host, port, path, api_key)
+        tried.append({"endpoint": path, "status": status})
+        if status == 200:
+            try:
+                return {"endpoint": path, "body": json.loads(body.decode()), "tried": tried}
+            except ValueError:
+                tried[-1]["error"] = "not JSON"
+        else:
+            tried[-1]["error"] = body[:200].decode("utf-8", "replace")
+    return {"endpoint": None, "body": None, "tried": tried}
+
+
+def server_args_log_line(path, limit=8 << 20):
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            data = fh.read()
+    except OSError:
+        return None
+    found = None
+    for line in data.decode("utf-8", "replace").splitlines():
+        idx = line.find("server_args=")
+        if idx >= 0:
+            found = line[idx:]
+    return found
+
+
+# --------------------------------------------------------------------------- package discovery
+
+FIND_SPEC = (
+    "import importlib.util, json, sys\n"
+    "s = importlib.util.find_spec('sglang')\n"
+    "locs = list(s.submodule_search_locations or []) if s else []\n"
+    "print(json.dumps({'origin': s.origin if s else None, 'locations': locs,"
+    " 'executable': sys.executable, 'version': list(sys.version_info[:3])}))\n"
+)
+
+
+def interpreter(python):
+    """``(argv0, executable)``: a venv python is recognised by its argv[0], while /proc/PID/exe
+    is the resolved base interpreter, so both are needed to run "the server's python"."""
+    exe = python.get("exe")
+    if not exe or exe.endswith(" (deleted)") or not os.path.exists(exe):
+        exe = None
+    return python.get("argv0") or exe, exe
+
+
+def find_package(python, env=None, cwd=None):
+    """Locate the sglang package the way ``python`` would, without importing it."""
+    argv0, exe = interpreter(python)
+    try:
+        proc = subprocess.run(
+            [argv0, "-c", FIND_SPEC], executable=exe, env=env,
+            cwd=cwd if cwd and os.path.isdir(cwd) else None,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, "cannot run %s: %s" % (argv0, exc)
+    if proc.returncode != 0:
+        return None, "%s failed: %s" % (argv0, proc.stderr.decode("utf-8", "replace")[-300:])
+    try:
+        info = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None, "unexpected output from %s" % argv0
+    for loc in info["locations"]:
+        if os.path.isfile(os.path.join(loc, "__init__.py")):
+            info["package_dir"] = loc
+            return info, None
+    return None, "sglang is not importable by %s" % argv0
+
+
+VERSION_RE = re.compile(
+    r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)?['"]([^'"]+)['"]""", re.M
+)
+
+
+def release_of(pkg):
+    for name in ("_version.py", "version.py"):
+        text = read_bytes(os.path.join(pkg, name))
+        if text:
+            m = VERSION_RE.search(text.decode("utf-8", "replace"))
+            if m:
+                return m.group(1), name
+    return None, None
+
+
+# --------------------------------------------------------------------------- state directory
+
+
+def state_dir_for(pkg):
+    return os.path.join(os.path.dirname(pkg), STATE_DIRNAME)
+
+
+def take_lock(state):
+    global _lock_fd
+    if _lock_fd is not None:
+        return
+    os.makedirs(state, mode=0o755, exist_ok=True)
+    path = os.path.join(state, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        os.close(fd)
+        raise Busy("another dynspec-patch run holds %s (%s)" % (path, holder or "unknown holder"))
+    os.ftruncate(fd, 0)
+    os.write(fd, ("pid %d user %s since %s\n" % (
+        os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
+    _lock_fd = fd
+
+
+def read_json(path):
+    data = read_bytes(path)
+    if data is None:
+        return None
+    try:
+        return json.loads(data.decode())
+    except ValueError:
+        return {"corrupt": True}
+
+
+def audit(state, line):
+    try:
+        with open(os.path.join(state, "audit.log"), "a") as fh:
+            fh.write("%s %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), line))
+    except OSError:
+        pass
+
+
+def recover_journal(state, pkg):
+    """Finish or undo a commit that was interrupted between its renames (agent killed)."""
+    journal = read_json(os.path.join(state, "journal.json"))
+    if journal is None:
+        return None
+    done, pending = [], []
+    for f in journal.get("files", []):
+        target = os.path.join(pkg, f["path"])
+        if sha256_file(target) == f["after_sha"]:
+            done.append(f)
+        else:
+            pending.append(f)
+    rolled = all(
+        (f["after_sha"] is None) or (f.get("tmp") and sha256_file(f["tmp"]) == f["after_sha"])
+        for f in pending
+    )
+    if rolled:
+        for f in pending:
+            target = os.path.join(pkg, f["path"])
+            if f["after_sha"] is None:
+                if os.path.exists(target):
+                    os.unlink(target)
+            else:
+                os.rename(f["tmp"], target)
+        finish_commit(state, journal)
+        audit(state, "recovered interrupted commit by finishing it (%d files)" % len(pending))
+        return {"action": "rolled-forward", "files": [f["path"] for f in pending]}
+    undo(state, pkg)
+    audit(state, "recovered interrupted commit by undoing it")
+    return {"action": "rolled-back"}
+
+
+def finish_commit(state, journal):
+    if "manifest" in journal:  # absent: leave the manifest alone (native config writes)
+        manifest = unb64(journal["manifest"])
+        path = os.path.join(state, "manifest.json")
+        if manifest is None:
+            if os.path.exists(path):
+                os.unlink(path)
+        else:
+            write_atomic(path, manifest)
+    if journal.get("clear_backup"):
+        shutil.rmtree(os.path.join(state, "originals"), ignore_errors=True)
+    pending = journal.get("pending")
+    mark = os.path.join(state, "restart-pending.json")
+    if pending:
+        write_atomic(mark, json.dumps(pending, indent=1).encode())
+    elif os.path.exists(mark) and journal.get("clear_pending", True):
+        os.unlink(mark)
+    os.unlink(os.path.join(state, "journal.json"))
+    fsync_dir(state)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def op_hello(_args):
+    return {
+        "protocol": AGENT_PROTOCOL,
+        "pid": os.getpid(),
+        "euid": os.geteuid(),
+        "user": getpass.getuser(),
+        "sudo_user": os.environ.get("SUDO_USER"),
+        "python": sys.executable,
+        "python_version": list(sys.version_info[:3]),
+    }
+
+
+def select_servers(servers, pid, port):
+    if pid is not None:
+        servers = [s for s in servers if s["pid"] == pid or pid in s["tree"]]
+    if port is not None:
+        servers = [s for s in servers if server_port(s) == port or port in s["listening"]]
+    return servers
+
+
+def op_facts(args):
+    servers = find_servers()
+    chosen = select_servers(servers, args.get("pid"), args.get("port"))
+    result = {"servers": servers, "selected": None, "package": None, "errors": []}
+    server = chosen[0] if len(chosen) == 1 else None
+    if server is not None:
+        result["selected"] = server["pid"]
+        server["server_info"] = server_info(server)
+        if server["server_info"]["body"] is None and server["stdout"]:
+            server["log_line"] = server_args_log_line(server["stdout"])
+        python = {"argv0": server["argv"][0], "exe": server["exe"]}
+        pkg, err = find_package(python, server["env"], server["cwd"])
+        if pkg is None and server["env"] is None:
+            err = (err or "") + " (environment unreadable)"
+    else:
+        python = {"argv0": args.get("python") or sys.executable, "exe": None}
+        pkg, err = find_package(python)
+        if pkg is not None:
+            pkg["fallback_python"] = True
+    if pkg is None:
+        result["errors"].append(err)
+        return result
+    pkg_dir = pkg["package_dir"]
+    pkg["release"], pkg["release_file"] = release_of(pkg_dir)
+    pkg["python"] = python
+    result["package"] = pkg
+    state = state_dir_for(pkg_dir)
+    result["state_dir"] = state
+    if args.get("lock"):
+        take_lock(state)
+        result["recovered"] = recover_journal(state, pkg_dir)
+    elif os.path.exists(os.path.join(state, "journal.json")):
+        result["interrupted"] = True
+    snapshot = {}
+    for rel in args.get("paths", []):
+        snapshot[rel] = b64(read_bytes(os.path.join(pkg_dir, rel)))
+    result["snapshot"] = snapshot
+    result["manifest"] = b64(read_bytes(os.path.join(state, "manifest.json")))
+    result["pending"] = read_json(os.path.join(state, "restart-pending.json"))
+    result["state_files"] = {
+        name: b64(read_bytes(os.path.join(state, name))) for name in args.get("state_files", [])
+    }
+    if args.get("lock"):
+        for rel in args.get("paths", []):
+            target = os.path.join(pkg_dir, rel)
+            stale = os.path.join(os.path.dirname(target), STAGE_NAME % os.path.basename(target))
+            if os.path.exists(stale):
+                os.unlink(stale)
+    result["writable"] = os.access(pkg_dir, os.W_OK)
+    return result
+
+
+def compile_check(python, paths):
+    code = (
+        "import sys\n"
+        "for p in sys.argv[1:]:\n"
+        "    compile(open(p, 'rb').read(), p, 'exec', dont_inherit=True)\n"
+    )
+    argv0, exe = interpreter(python)
+    proc = subprocess.run([argv0, "-I", "-c", code, *paths], executable=exe,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=300)
+    if proc.returncode != 0:
+        tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+        raise Refused("compile check with %s failed: %s" % (argv0, " | ".join(tail)))
+
+
+def op_stage(args):
+    """Write every new file as a temp file beside its target, then compile them all."""
+    pkg, python = args["package_dir"], args["python"]
+    staged, written = [], []
+    try:
+        for f in args["files"]:
+            target = os.path.join(pkg, f["path"])
+            current = sha256_file(target)
+            if current != f["before_sha"]:
+                raise Refused("%s changed since it was read (sha256 %s, expected %s)" % (
+                    f["path"], current, f["before_sha"]))
+            entry = {"path": f["path"], "before_sha": f["before_sha"], "after_sha": f["after_sha"],
+                     "tmp": None}
+            if f["after_sha"] is not None:
+                data = unb64(f["after"])
+                if sha256_bytes(data) != f["after_sha"]:
+                    raise Refused("%s: upload corrupted" % f["path"])
+                directory = os.path.dirname(target)
+                if not os.path.isdir(directory):
+                    raise Refused("%s: directory %s does not exist" % (f["path"], directory))
+                tmp = os.path.join(directory, STAGE_NAME % os.path.basename(target))
+                written.append(tmp)
+                _staged.append(tmp)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                like = target if os.path.exists(target) else os.path.join(pkg, "__init__.py")
+                if os.path.exists(like):
+                    copy_owner_mode(like, tmp)
+                if sha256_file(tmp) != f["after_sha"]:
+                    raise Refused("%s: staged copy does not read back" % f["path"])
+                entry["tmp"] = tmp
+            staged.append(entry)
+        py = [e["tmp"] for e in staged if e["tmp"] and e["path"].endswith(".py")]
+        if py:
+            compile_check(python, py)
+    except BaseException:
+        for tmp in written:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+    return {"staged": staged}
+
+
+def op_commit(args):
+    """Save undo copies (+ originals on first apply), then rename every staged file in place."""
+    pkg, state = args["package_dir"], args["state_dir"]
+    take_lock(state)
+    files = args["files"]
+    for f in files:
+        if sha256_file(os.path.join(pkg, f["path"])) != f["before_sha"]:
+            raise Refused("%s changed since it was staged" % f["path"])
+        if f["tmp"] and sha256_file(f["tmp"]) != f["after_sha"]:
+            raise Refused("%s: staged temp file is gone or changed" % f["path"])
+    undo_dir = os.path.join(state, "undo")
+    shutil.rmtree(undo_dir, ignore_errors=True)
+    os.makedirs(undo_dir)
+    meta = {"files": [], "manifest": b64(read_bytes(os.path.join(state, "manifest.json"))),
+            "pending": read_json(os.path.join(state, "restart-pending.json"))}
+    backup_dir = os.path.join(state, "originals")
+    for f in files:
+        target = os.path.join(pkg, f["path"])
+        data = read_bytes(target)
+        meta["files"].append({"path": f["path"], "existed": data is not None,
+                              "sha": f["before_sha"], "after_sha": f["after_sha"]})
+        if data is not None:
+            copy = os.path.join(undo_dir, f["path"])
+            os.makedirs(os.path.dirname(copy), exist_ok=True)
+            shutil.copy2(target, copy)
+            if args.get("backup"):
+                keep = os.path.join(backup_dir, f["path"])
+                if sha256_file(keep) is None:
+                    os.makedirs(os.path.dirname(keep), exist_ok=True)
+                    shutil.copy2(target, keep)
+    write_atomic(os.path.join(undo_dir, "meta.json"), json.dumps(meta).encode())
+    journal = {"files": files, "pending": args.get("pending"),
+               "clear_backup": bool(args.get("clear_backup"))}
+    if "manifest" in args:
+        journal["manifest"] = args["manifest"]
+    write_atomic(os.path.join(state, "journal.json"), json.dumps(journal).encode())
+    for i, f in enumerate(files):
+        target = os.path.join(pkg, f["path"])
+        if f["after_sha"] is None:
+            if os.path.exists(target):
+                os.unlink(target)
+        else:
+            os.rename(f["tmp"], target)
+        fsync_dir(os.path.dirname(target))
+        if args.get("fault") == "die-mid-commit" and i == 0 and len(files) > 1:
+            os._exit(9)  # test hook: the agent dies between two renames
+    finish_commit(state, journal)
+    del _staged[:]
+    audit(state, "%s: %s" % (args.get("action", "commit"), ", ".join(f["path"] for f in files)))
+    return {"committed": [f["path"] for f in files]}
+
+
+def undo(state, pkg):
+    """Put back what the last commit replaced (files, manifest, restart mark)."""
+    undo_dir = os.path.join(state, "undo")
+    meta = read_json(os.path.join(undo_dir, "meta.json"))
+    if not meta or meta.get("corrupt"):
+        raise Refused("no undo information in %s" % undo_dir)
+    for f in meta["files"]:
+        target = os.path.join(pkg, f["path"])
+        if f["existed"]:
+            copy = os.path.join(undo_dir, f["path"])
+            if sha256_file(copy) != f["sha"]:
+                raise Refused("undo copy of %s is damaged" % f["path"])
+            tmp = os.path.join(os.path.dirname(target), ".%s.dynspec-undo.tmp" % os.path.basename(target))
+            shutil.copy2(copy, tmp)
+            os.rename(tmp, target)
+        elif os.path.exists(target):
+            os.unlink(target)
+        fsync_dir(os.path.dirname(target))
+    manifest = unb64(meta.get("manifest"))
+    mpath = os.path.join(state, "manifest.json")
+    if manifest is None:
+        if os.path.exists(mpath):
+            os.unlink(mpath)
+    else:
+        write_atomic(mpath, manifest)
+    if not any(f["existed"] and f["after_sha"] for f in meta["files"]) and manifest is None:
+        shutil.rmtree(os.path.join(state, "originals"), ignore_errors=True)
+    mark = os.path.join(state, "restart-pending.json")
+    if meta.get("pending"):
+        write_atomic(mark, json.dumps(meta["pending"]).encode())
+    elif os.path.exists(mark):
+        os.unlink(mark)
+    journal = os.path.join(state, "journal.json")
+    if os.path.exists(journal):
+        os.unlink(journal)
+    return [f["path"] for f in meta["files"]]
+
+
+def op_undo(args):
+    take_lock(args["state_dir"])
+    return {"restored": undo(args["state_dir"], args["package_dir"])}
+
+
+def op_discard_staged(args):
+    for f in args.get("files", []):
+        if f.get("tmp") and os.path.exists(f["tmp"]):
+            os.unlink(f["tmp"])
+    del _staged[:]
+    return {}
+
+
+def op_write_file(args):
+    take_lock(args["state_dir"])
+    path = os.path.join(args["state_dir"], args["name"])
+    write_atomic(path, unb64(args["data"]))
+    return {"path": path}
+
+
+# --------------------------------------------------------------------------- restart
+
+
+def stop_tree(server, stop_timeout):
+    """TERM the whole tree (and process group), wait, then KILL; zombies count as dead."""
+    root = server["pid"]
+    if not alive(root):
+        return {"already_gone": True, "killed": []}
+    pids = [root, *descendants(root)]
+    pgid = proc_stat(root)["pgid"] if proc_stat(root) else None
+    if pgid and pgid != os.getpgrp():
+        for pid in all_pids():
+            st = proc_stat(pid)
+            if st and st["pgid"] == pgid and pid not in pids:
+                pids.append(pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + stop_timeout
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    killed = [p for p in pids if alive(p)]
+    for pid in killed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    if left:
+        raise Refused("processes %s survived SIGKILL" % left)
+    return {"stopped": pids, "killed": killed}
+
+
+def wait_port_closed(port, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if port not in listening_ports():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def wait_gpu_free(pids, timeout):
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return "no nvidia-smi"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 timeout=30).stdout.decode()
+        except (OSError, subprocess.TimeoutExpired):
+            return "nvidia-smi failed"
+        held = {int(x) for x in out.split() if x.strip().isdigit()} & set(pids)
+        if not held:
+            return "free"
+        time.sleep(1)
+    return "still held after %ds" % timeout
+
+
+def demote(uid, gid):
+    def _fn():
+        if os.geteuid() == 0 and uid is not None and uid != 0:
+            try:
+                user = pwd.getpwuid(uid)
+                os.initgroups(user.pw_name, gid if gid is not None else user.pw_gid)
+                os.setgid(gid if gid is not None else user.pw_gid)
+            except KeyError:
+                pass
+            os.setuid(uid)
+    return _fn
+
+
+def launch(spec, log_path):
+    """Start the server detached (own session), stdout+stderr into ``log_path``."""
+    uid = spec.get("uid")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    if os.geteuid() == 0 and uid not in (None, 0):
+        os.fchown(fd, uid, -1)
+    exe = spec.get("exe")
+    if not exe or exe.endswith(" (deleted)") or not os.path.exists(exe):
+        exe = None
+    try:
+        proc = subprocess.Popen(
+            spec["argv"], executable=exe, cwd=spec.get("cwd") or "/", env=spec.get("env"),
+            stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True, preexec_fn=demote(uid, spec.get("gid")),
+        )
+    finally:
+        os.close(fd)
+    return proc
+
+
+def log_tail(path, n=5):
+    data = read_bytes(path) or b""
+    return " | ".join(data.decode("utf-8", "replace").strip().splitlines()[-n:])
+
+
+def gate(proc, host, port, api_key, timeout, log_path):
+    """Wait for /health, then one tiny generation; fail fast if the process dies."""
+    deadline = time.time() + timeout
+    last = None
+    step = "health"
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise Refused("server exited with status %s during start-up: %s" % (
+                proc.returncode, log_tail(log_path)))
+        if step == "health":
+            status, body = http_get(host, port, "/health", api_key, timeout=10)
+            if status == 200:
+                step = "generate"
+                progress("health ok; checking a tiny generation")
+                continue
+        else:
+            status, body = http_get(host, port, "/health_generate", api_key, timeout=60)
+            if status == 404:
+                payload = json.dumps({"text": "ping", "sampling_params": {"max_new_tokens": 1}})
+                status, body = http_get(host, port, "/generate", api_key, timeout=60,
+                                        data=payload.encode())
+            if status == 200:
+                return
+        last = "%s -> %s %s" % (step, status, body[:120].decode("utf-8", "replace"))
+        time.sleep(0.2)
+    raise Refused("server not healthy within %ds (last: %s)" % (timeout, last))
+
+
+def prove(host, port, api_key, expect):
+    info = server_info({"argv": ["--api-key", api_key] if api_key else [], "host": host,
+                        "port": port, "listening": []})
+    body = info["body"]
+    if body is None:
+        raise Refused("cannot read server info after restart: %s" % info["tried"])
+    wrong = {}
+    for key, value in (expect or {}).items():
+        if value == "<present>":
+            if key not in body:
+                wrong[key] = "absent"
+        elif value == "<absent>":
+            if key in body:
+                wrong[key] = body[key]
+        elif body.get(key) != value:
+            wrong[key] = body.get(key, "absent")
+    if wrong:
+        raise Refused("server runs but does not report the patch: %s" % wrong)
+    return {"endpoint": info["endpoint"], "checked": expect}
+
+
+def find_by_port(port, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for s in find_servers():
+            if server_port(s) == port or port in s["listening"]:
+                return s
+        time.sleep(0.5)
+    return None
+
+
+def start_and_check(spec, server, args, log_path, expect):
+    host, port = connect_host(server), server_port(server)
+    api_key = flag_value(spec.get("argv") or server["argv"], "--api-key")
+    if args.get("restart_cmd"):
+        progress("running restart command")
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            rc = subprocess.run(["/bin/sh", "-c", args["restart_cmd"]], stdin=subprocess.DEVNULL,
+                                stdout=fd, stderr=subprocess.STDOUT, timeout=600).returncode
+        finally:
+            os.close(fd)
+        if rc != 0:
+            raise Refused("restart command exited %d: %s" % (rc, log_tail(log_path)))
+        gate(None, host, port, api_key, args["health_timeout"], log_path)
+        new = find_by_port(port, 30)
+        pid = new["pid"] if new else None
+    else:
+        stop = stop_tree(server, args.get("stop_timeout", 60))
+        progress("stopped pid %d (%s)" % (server["pid"], "KILL needed" if stop.get("killed") else "TERM"))
+        if not wait_port_closed(port, args.get("port_timeout", 120)):
+            raise Refused("port %d still in use after the server stopped" % port)
+        wait_gpu_free(stop.get("stopped", []), args.get("gpu_timeout", 300))
+        proc = launch(spec, log_path)
+        progress("launched pid %d; waiting for health (timeout %ds)" % (proc.pid, args["health_timeout"]))
+        gate(proc, host, port, api_key, args["health_timeout"], log_path)
+        pid = proc.pid
+    proof = prove(host, port, api_key, expect)
+    return {"pid": pid, "log": log_path, "proof": proof}
+
+
+def op_restart(args):
+    """Restart with the new command; on failure undo the last commit and restart the original."""
+    state, pkg = args["state_dir"], args["package_dir"]
+    take_lock(state)
+    server = args["server"]
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    log_path = os.path.join(state, "server-%s.log" % stamp)
+    new = dict(server, argv=args["argv"])
+    try:
+        done = start_and_check(new, server, args, log_path, args.get("expect"))
+    except Exception as exc:
+        reason = str(exc) or exc.__class__.__name__
+        audit(state, "restart failed: %s; rolling back" % reason)
+        progress("restart failed: %s; restoring the original files" % reason)
+        result = {"ok_restart": False, "reason": reason, "log": log_path}
+        try:
+            if args.get("undo", True) and os.path.exists(os.path.join(state, "undo", "meta.json")):
+                result["restored"] = undo(state, pkg)
+            current = find_by_port(server_port(server), 0.1)
+            if current is not None:
+                stop_tree(current, args.get("stop_timeout", 60))
+                wait_port_closed(server_port(server), args.get("port_timeout", 120))
+            again = start_and_check(server, server, args,
+                                    os.path.join(state, "server-%s-rollback.log" % stamp),
+                                    args.get("expect_original"))
+            result["original_healthy"] = True
+            result["pid"] = again["pid"]
+        except Exception as exc2:
+            result["original_healthy"] = False
+            result["rollback_error"] = str(exc2)
+        return result
+    mark = os.path.join(state, "restart-pending.json")
+    if os.path.exists(mark):
+        os.unlink(mark)
+    shutil.rmtree(os.path.join(state, "undo"), ignore_errors=True)
+    audit(state, "restarted: pid %s" % done["pid"])
+    done["ok_restart"] = True
+    return done
+
+
+OPS = {
+    "hello": op_hello,
+    "facts": op_facts,
+    "stage": op_stage,
+    "commit": op_commit,
+    "undo": op_undo,
+    "discard_staged": op_discard_staged,
+    "write_file": op_write_file,
+    "restart": op_restart,
+}
+
+
+def main():
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a dropped connection must not cut a step short
+    emit({"ok": True, "result": op_hello({})})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            req = json.loads(line)
+            result = OPS[req["op"]](req.get("args") or {})
+            emit({"ok": True, "result": result})
+        except (Refused, Busy) as exc:
+            emit({"ok": False, "kind": exc.kind, "error": str(exc)})
+        except Exception as exc:
+            emit({"ok": False, "kind": "error", "error": "%s: %s" % (exc.__class__.__name__, exc)})
+        if _out is None:
+            break
+    for tmp in _staged:  # the client left between stage and commit: leave no debris
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+if __name__ == "__main__":
+    main()

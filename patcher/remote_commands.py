@@ -1,0 +1,75 @@
+"""``--host`` commands: the CLI's entry points for a remote SGLang host.
+
+Each function opens exactly one SSH connection (plus one per ProxyJump hop), runs one remote
+agent over it, and returns a JSON-able dict; ``"plan"`` holds the engine's ``Plan`` for the CLI
+to render. Errors are ``patcher.errors`` exceptions: UsageError 2, RefusedError 3 (nothing
+written), RollbackError 4 (files restored, original server relaunched), DynspecError 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from patcher import deploy
+from patcher.deploy import Faults
+from patcher.ssh import resolve_target
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    host: str
+    port: int | None = None
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    ssh_config: str | None = None
+    accept_new_host_key: bool = False
+    connect_timeout: float = 15.0
+
+
+def _run(opts: HostOptions, fn: Callable[..., dict[str, Any]], faults: Faults | None = None,
+         on_progress: Callable[[str], None] | None = None, **kwargs: Any) -> dict[str, Any]:
+    target = resolve_target(
+        opts.host, port=opts.port, user=opts.user, identity_file=opts.identity_file,
+        known_hosts=opts.known_hosts, ssh_config=opts.ssh_config,
+        connect_timeout=opts.connect_timeout,
+    )
+    with deploy.session(target, accept_new_host_key=opts.accept_new_host_key, faults=faults,
+                        on_progress=on_progress) as s:
+        result = fn(s, **kwargs)
+        stats = s.conn.stats
+        result["ssh"] = {"connections": stats.connections, "round_trips": stats.round_trips,
+                         "steps": list(stats.log)}
+        return result
+
+
+def detect_path(opts: HostOptions, *, pid: int | None, port: int | None) -> dict[str, Any]:
+    """Release, route, live worker with evidence, patch state per file, recommended action."""
+    return _run(opts, deploy.detect_path, pid=pid, port=port)
+
+
+def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: bool,
+          no_restart: bool, restart_cmd: str | None, pid: int | None, port: int | None,
+          health_timeout: float, faults: Faults | None = None,
+          on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Patch the host's sglang (or write the native config), then restart and prove it."""
+    return _run(opts, deploy.apply, faults, on_progress, threshold=threshold, worker=worker,
+                dry_run=dry_run, no_restart=no_restart, restart_cmd=restart_cmd, pid=pid,
+                port=port, health_timeout=health_timeout)
+
+
+def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
+           restart_cmd: str | None, pid: int | None, port: int | None,
+           health_timeout: float, faults: Faults | None = None,
+           on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Restore the original bytes (refused if a file changed since apply, unless force)."""
+    return _run(opts, deploy.revert, faults, on_progress, dry_run=dry_run, force=force,
+                no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
+                health_timeout=health_timeout)
+
+
+def status(opts: HostOptions) -> dict[str, Any]:
+    """original | patched | mixed | unknown, restart pending, what the server runs."""
+    return _run(opts, deploy.status)
