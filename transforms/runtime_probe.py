@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from transforms.runtime.dynspec_fallback import (
@@ -33,8 +34,16 @@ SCHEDULE_BATCH = ("srt/managers/schedule_batch.py", "ScheduleBatch")
 # Methods whose presence marks the native steps=0 path (0.5.14+): nothing to patch there.
 NATIVE_MARKER = "_build_trivial_verify_input"
 # Needs whose resolved spelling names the era the adapter will run in.
-ERA_KEYS = ("entry", "vo_next_input", "root_field", "target_kwarg", "graph_attr", "gbr_stride",
-            "gbr_new_seq_lens", "gbr_allocate_lens")
+ERA_KEYS = (
+    "entry",
+    "vo_next_input",
+    "root_field",
+    "target_kwarg",
+    "graph_attr",
+    "gbr_stride",
+    "gbr_new_seq_lens",
+    "gbr_allocate_lens",
+)
 
 
 @dataclass(frozen=True)
@@ -203,8 +212,11 @@ def _own_members(node: ast.ClassDef) -> set[str]:
                     targets = [sub.target]
                 for target in targets:
                     for t in ast.walk(target):
-                        if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                                and t.value.id == "self"):
+                        if (
+                            isinstance(t, ast.Attribute)
+                            and isinstance(t.value, ast.Name)
+                            and t.value.id == "self"
+                        ):
                             names.add(t.attr)
         else:
             names.update(_bound_names(item))
@@ -273,8 +285,7 @@ class _StaticHas:
         elif scope in ("fields", "member"):
             info = self._global_class(need.owner)
             where = info.file if info else where
-            found = name in (self.fields(need.owner) if scope == "fields"
-                             else self._members(info))
+            found = name in (self.fields(need.owner) if scope == "fields" else self._members(info))
         elif scope == "param":
             owner, method = need.owner.split(".")
             info = self._global_class(owner)
@@ -316,8 +327,11 @@ def _probe_variant(tree: _Tree, variant: str) -> tuple[list[ProbeCheck], str]:
             detail = "absent (optional)"
         else:
             detail = f"none of {', '.join(need.candidates)}"
-        checks.append(ProbeCheck(_check_name(variant, need), where, found_name is not None
-                                 or need.optional, detail))
+        checks.append(
+            ProbeCheck(
+                _check_name(variant, need), where, found_name is not None or need.optional, detail
+            )
+        )
     checks.extend(_contract_checks(tree, has, variant, names))
     era = ", ".join(f"{k}={names[k]}" for k in ERA_KEYS if names.get(k))
     return checks, f"{variant}[{era}]"
@@ -329,30 +343,58 @@ def _contract_checks(
     """The checks the adapter makes beyond single names (see _build_adapter)."""
     checks: list[ProbeCheck] = []
     filled = {v for k, v in names.items() if k.startswith("vi_") and v is not None}
-    unknown = sorted(n for n, has_default in has.fields("EagleVerifyInput").items()
-                     if not has_default and n not in filled)
-    checks.append(ProbeCheck(
-        f"{variant} EagleVerifyInput required fields all filled", has.worker_file,
-        not unknown, f"unknown required: {', '.join(unknown)}" if unknown else "all known",
-    ))
+    unknown = sorted(
+        n
+        for n, has_default in has.fields("EagleVerifyInput").items()
+        if not has_default and n not in filled
+    )
+    checks.append(
+        ProbeCheck(
+            f"{variant} EagleVerifyInput required fields all filled",
+            has.worker_file,
+            not unknown,
+            f"unknown required: {', '.join(unknown)}" if unknown else "all known",
+        )
+    )
     if variant == "v1":
         helper = names.get("logprob_fn") or names.get("logprob_method")
-        checks.append(ProbeCheck("v1 logprob helper", has.worker_file, helper is not None,
-                                 f"found {helper}" if helper else "neither helper"))
+        checks.append(
+            ProbeCheck(
+                "v1 logprob helper",
+                has.worker_file,
+                helper is not None,
+                f"found {helper}" if helper else "neither helper",
+            )
+        )
         if names.get("entry") == "forward_batch_speculative_generation" and has.worker:
             fn = _method(tree, has.worker, "forward_batch_speculative_generation")
             arity = tuple_return_arity(ast.unparse(fn)) if fn else None
-            checks.append(ProbeCheck(
-                "v1 entry tuple arity", has.worker_file, arity in (4, 5), f"arity {arity}"))
+            checks.append(
+                ProbeCheck(
+                    "v1 entry tuple arity", has.worker_file, arity in (4, 5), f"arity {arity}"
+                )
+            )
     else:
         where_to = names.get("gbr_new_seq_lens") or names.get("di_new_seq_lens")
-        checks.append(ProbeCheck("v2 new_seq_lens carrier", has.worker_file,
-                                 where_to is not None,
-                                 "result" if names.get("gbr_new_seq_lens") else
-                                 ("draft input" if where_to else "none")))
+        checks.append(
+            ProbeCheck(
+                "v2 new_seq_lens carrier",
+                has.worker_file,
+                where_to is not None,
+                "result"
+                if names.get("gbr_new_seq_lens")
+                else ("draft input" if where_to else "none"),
+            )
+        )
         if names.get("gbr_allocate_lens"):
-            checks.append(ProbeCheck("v2 allocate_lens on EagleDraftInput", has.worker_file,
-                                     names.get("di_allocate_lens") is not None, ""))
+            checks.append(
+                ProbeCheck(
+                    "v2 allocate_lens on EagleDraftInput",
+                    has.worker_file,
+                    names.get("di_allocate_lens") is not None,
+                    "",
+                )
+            )
     return checks
 
 
@@ -378,3 +420,13 @@ def probe_release(read: Reader, variants: tuple[str, ...] | None = None) -> Prob
         checks.extend(variant_checks)
         eras.append(era)
     return ProbeReport(era="; ".join(eras), checks=checks, native=native)
+
+
+def probe_directory(sglang_dir: Path, variants: tuple[str, ...] | None = None) -> ProbeReport:
+    """``probe_release`` over an unpacked ``sglang`` package directory."""
+
+    def read(relpath: str) -> str | None:
+        path = sglang_dir / relpath
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    return probe_release(read, variants)

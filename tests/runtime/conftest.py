@@ -21,8 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not TORCH_MISSING:
         return
     if os.environ.get("CI"):
-        raise pytest.UsageError("torch is not installed but CI must run the torch tests "
-                                "(pip install torch==2.13.0)")
+        raise pytest.UsageError(
+            "torch is not installed but CI must run the torch tests (pip install torch==2.13.0)"
+        )
     skip = pytest.mark.skip(reason="torch not installed (CI installs torch==2.13.0)")
     for item in items:
         if "torch" in item.keywords:

@@ -39,7 +39,8 @@ _counter = itertools.count()
 VERIFY_OUTPUT_NEXT = ("draft_input", "draft_extend_input")
 VERIFY_OUTPUT_TOKENS = ("verified_id", "accept_tokens")
 VERIFY_OUTPUT_PER_REQ = (
-    "accept_length_per_req_cpu", "num_accepted_drafts_per_req_cpu",
+    "accept_length_per_req_cpu",
+    "num_accepted_drafts_per_req_cpu",
     "num_correct_drafts_per_req_cpu",
 )
 VERIFY_OUTPUT_INDICES = ("accepted_indices", "accept_indices", "accepeted_indices")
@@ -97,8 +98,13 @@ def read_shape(version: str, variant: str) -> Shape:
     tree = _Tree(lambda rel: (root / rel).read_text() if (root / rel).is_file() else None)
     has = _StaticHas(tree, variant)
     assert has.worker is not None, f"{version} has no {variant} worker"
-    classes = ("EagleVerifyInput", "EagleDraftInput", "EagleVerifyOutput",
-               "EagleDraftExtendInput", "GenerationBatchResult")
+    classes = (
+        "EagleVerifyInput",
+        "EagleDraftInput",
+        "EagleVerifyOutput",
+        "EagleDraftExtendInput",
+        "GenerationBatchResult",
+    )
     fields = {c: has.fields(c) for c in classes if c in has.worker_module.bindings}
     params: dict[str, set[str]] = {}
     vi = has._global_class("EagleVerifyInput")
@@ -190,21 +196,31 @@ def target_hidden(input_ids: torch.Tensor) -> torch.Tensor:
 class World:
     """A stand-in worker module, worker and decode batch for one release shape."""
 
-    def __init__(self, shape: Shape, *, threshold: int | None = 1, batch_size: int = 4,
-                 seq_len: int = 10, max_new_tokens: int = 100, **server_args: Any) -> None:
+    def __init__(
+        self,
+        shape: Shape,
+        *,
+        threshold: int | None = 1,
+        batch_size: int = 4,
+        seq_len: int = 10,
+        max_new_tokens: int = 100,
+        **server_args: Any,
+    ) -> None:
         self.shape = shape
         self.recorder = Recorder()
         self.module = types.ModuleType(f"dynspec_standin_{next(_counter)}")
         sys.modules[self.module.__name__] = self.module
-        self.server_args = types.SimpleNamespace(**{
-            "speculative_disable_batch_threshold": threshold,
-            "speculative_algorithm": "EAGLE3",
-            "enable_dp_attention": False,
-            "pp_size": 1,
-            "speculative_eagle_topk": 1,
-            "max_running_requests": 48,
-            **server_args,
-        })
+        self.server_args = types.SimpleNamespace(
+            **{
+                "speculative_disable_batch_threshold": threshold,
+                "speculative_algorithm": "EAGLE3",
+                "enable_dp_attention": False,
+                "pp_size": 1,
+                "speculative_eagle_topk": 1,
+                "max_running_requests": 48,
+                **server_args,
+            }
+        )
         self.graph_sentinel = object()
         self.req_to_token = torch.arange(8 * 64, dtype=torch.int32).reshape(8, 64) + 1000
         self.next_slot = 5000
@@ -234,11 +250,18 @@ class World:
             rows = batch.req_pool_indices.long()
             world.req_to_token[rows, batch.seq_lens.long()] = slots.to(torch.int32)
 
-        def verify(self, batch, logits_output, token_to_kv_pool_allocator, page_size,
-                   vocab_mask=None):
-            rec.add("verify", vi=self, spec_info_is_self=batch.spec_info is self,
-                    seq_lens=batch.seq_lens.clone(), vocab_mask=vocab_mask,
-                    allocator=token_to_kv_pool_allocator, page_size=page_size)
+        def verify(
+            self, batch, logits_output, token_to_kv_pool_allocator, page_size, vocab_mask=None
+        ):
+            rec.add(
+                "verify",
+                vi=self,
+                spec_info_is_self=batch.spec_info is self,
+                seq_lens=batch.seq_lens.clone(),
+                vocab_mask=vocab_mask,
+                allocator=token_to_kv_pool_allocator,
+                page_size=page_size,
+            )
             return world._verify_one_node(self, batch, logits_output)
 
         def sample(self, batch, logits_output, vocab_mask=None):
@@ -252,14 +275,21 @@ class World:
         if "EagleVerifyInput.prepare_for_verify" in shape.params:
             namespace["prepare_for_verify"] = prepare_for_verify
         if verify_params:
-            namespace["verify"] = verify if "vocab_mask" in verify_params else (
-                lambda self, b, lo, a, p: verify(self, b, lo, a, p))
+            namespace["verify"] = (
+                verify
+                if "vocab_mask" in verify_params
+                else (lambda self, b, lo, a, p: verify(self, b, lo, a, p))
+            )
         if sample_params:
-            namespace["sample"] = sample if "vocab_mask" in sample_params else (
-                lambda self, b, lo: sample(self, b, lo))
+            namespace["sample"] = (
+                sample
+                if "vocab_mask" in sample_params
+                else (lambda self, b, lo: sample(self, b, lo))
+            )
         for cls_name, spec in shape.fields.items():
             available[cls_name] = _dataclass(
-                cls_name, spec, namespace if cls_name == "EagleVerifyInput" else {})
+                cls_name, spec, namespace if cls_name == "EagleVerifyInput" else {}
+            )
 
         @contextlib.contextmanager
         def moe_context():
@@ -268,14 +298,17 @@ class World:
 
         available["speculative_moe_backend_context"] = moe_context
         available["speculative_moe_a2a_backend_context"] = moe_context
-        available["add_output_logprobs_for_spec_v1"] = (
-            lambda batch, res, lo: rec.add("logprobs_v1", res=res))
-        available["compute_spec_v2_logprobs"] = (
-            lambda batch, lo, predict, accept_index, steps: rec.add(
-                "logprobs_v2", accept_index=accept_index.clone(), predict=predict.clone()))
+        available["add_output_logprobs_for_spec_v1"] = lambda batch, res, lo: rec.add(
+            "logprobs_v1", res=res
+        )
+        available["compute_spec_v2_logprobs"] = lambda batch, lo, predict, accept_index, steps: (
+            rec.add("logprobs_v2", accept_index=accept_index.clone(), predict=predict.clone())
+        )
         available["ScheduleBatch"] = type(
-            "ScheduleBatch", (_BatchBase,),
-            {"maybe_evict_swa": _BatchBase._evict} if "maybe_evict_swa" in shape.batch_members
+            "ScheduleBatch",
+            (_BatchBase,),
+            {"maybe_evict_swa": _BatchBase._evict}
+            if "maybe_evict_swa" in shape.batch_members
             else {},
         )
         for name, value in available.items():
@@ -306,19 +339,24 @@ class World:
         root = shape.pick("EagleDraftInput", ROOT)
         if next_name == "draft_extend_input":
             next_input = self.module.EagleDraftExtendInput(
-                input_ids=predict[keep], hidden_states=vi.hidden_states[keep])
+                input_ids=predict[keep], hidden_states=vi.hidden_states[keep]
+            )
         else:
             next_input = self.module.EagleDraftInput(
-                **{root: predict[keep]}, hidden_states=vi.hidden_states[keep],
+                **{root: predict[keep]},
+                hidden_states=vi.hidden_states[keep],
                 accept_length=torch.zeros(len(unfinished), dtype=torch.int32),
-                accept_length_cpu=[0] * len(unfinished))
-        out = self.module.EagleVerifyOutput(**{
-            next_name: next_input,
-            "logits_output": logits_output,
-            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_TOKENS): predict,
-            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_PER_REQ): [0] * bs,
-            shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_INDICES): torch.arange(bs),
-        })
+                accept_length_cpu=[0] * len(unfinished),
+            )
+        out = self.module.EagleVerifyOutput(
+            **{
+                next_name: next_input,
+                "logits_output": logits_output,
+                shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_TOKENS): predict,
+                shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_PER_REQ): [0] * bs,
+                shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_INDICES): torch.arange(bs),
+            }
+        )
         return out
 
     # -- worker -----------------------------------------------------------------------------
@@ -333,17 +371,23 @@ class World:
             yield
 
         if shape.variant == "v1":
-            base = _TupleEntry if "forward_batch_speculative_generation" in (
-                shape.worker_members) else _ResultEntry
+            base = (
+                _TupleEntry
+                if "forward_batch_speculative_generation" in (shape.worker_members)
+                else _ResultEntry
+            )
             members: dict[str, Any] = {}
             if "add_logprob_values" in shape.worker_members:
-                members["add_logprob_values"] = (
-                    lambda self, batch, res, lo: rec.add("add_logprob_values", res=res))
+                members["add_logprob_values"] = lambda self, batch, res, lo: rec.add(
+                    "add_logprob_values", res=res
+                )
             if "_draft_preprocess_idle" in shape.worker_members:
                 members["_draft_preprocess_idle"] = lambda self, batch: world._preprocess_idle(
-                    batch)
-            members["forward_draft_extend_after_decode"] = (
-                lambda self, batch: world._draft_extend_v1(batch))
+                    batch
+                )
+            members["forward_draft_extend_after_decode"] = lambda self, batch: (
+                world._draft_extend_v1(batch)
+            )
             cls = type("EAGLEWorker", (base,), {**members, "__module__": self.module.__name__})
             worker = cls()
             worker.draft_model_runner = types.SimpleNamespace(tp_group="draft-tp")
@@ -352,10 +396,11 @@ class World:
         else:
             cls = type("EAGLEWorkerV2", (_V2Entry,), {"__module__": self.module.__name__})
             if "_compute_spec_v2_logprobs" in shape.worker_members:
-                cls._compute_spec_v2_logprobs = (
-                    lambda self, batch, lo, predict, accept_index: rec.add(
-                        "logprobs_v2", accept_index=accept_index.clone(),
-                        predict=predict.clone()))
+                cls._compute_spec_v2_logprobs = lambda self, batch, lo, predict, accept_index: (
+                    rec.add(
+                        "logprobs_v2", accept_index=accept_index.clone(), predict=predict.clone()
+                    )
+                )
             worker = cls()
             worker.speculative_num_draft_tokens = 4
             worker.speculative_num_steps = 3
@@ -369,7 +414,8 @@ class World:
         worker.target_worker = target
         worker.draft_tp_context = draft_tp_context
         worker.tp_rank = 0
-        worker.adaptive_controller = _ForbiddenController()
+        # v1: the fallback must not touch it; v2: a present one is refused (see the tests).
+        worker.adaptive_controller = _ForbiddenController() if shape.variant == "v1" else None
         self.module.__dict__[type(worker).__name__] = type(worker)
         return worker
 
@@ -378,8 +424,9 @@ class World:
         self.recorder.add("draft_extend", spec_info=info, seq_lens=batch.seq_lens.clone())
         if self.shape.has_field("EagleVerifyOutput", "draft_extend_input"):
             root = self.shape.pick("EagleDraftInput", ROOT)
-            return self.module.EagleDraftInput(**{root: info.input_ids},
-                                               hidden_states=info.hidden_states)
+            return self.module.EagleDraftInput(
+                **{root: info.input_ids}, hidden_states=info.hidden_states
+            )
         return None
 
     def _preprocess_idle(self, batch: Any) -> None:
@@ -408,7 +455,8 @@ class World:
         root_name = self.shape.pick("EagleDraftInput", ROOT)
         roots = torch.arange(bs, dtype=torch.int32) + 1
         spec_info = self.module.EagleDraftInput(
-            **{root_name: roots}, hidden_states=torch.zeros(bs, HIDDEN))
+            **{root_name: roots}, hidden_states=torch.zeros(bs, HIDDEN)
+        )
         batch = self.module.ScheduleBatch() if self.shape.variant == "v1" else _V2Batch()
         batch.reqs = [Req(max_new_tokens=max_new_tokens) for _ in range(bs)]
         batch.seq_lens = torch.full((bs,), seq_len, dtype=torch.int64)
@@ -425,8 +473,10 @@ class World:
         batch.out_cache_loc = torch.zeros(bs, dtype=torch.int64)
         batch.capture_hidden_mode = CaptureHiddenMode.LAST
         batch.sampling_info = types.SimpleNamespace(
-            penalizer_orchestrator=Orchestrator(False, self.recorder), vocab_size=VOCAB,
-            vocab_mask="stale-mask")
+            penalizer_orchestrator=Orchestrator(False, self.recorder),
+            vocab_size=VOCAB,
+            vocab_mask="stale-mask",
+        )
         if self.shape.has_field("EagleDraftInput", "allocate_lens"):
             spec_info.allocate_lens = batch.seq_lens + 8
         batch.spec_info = spec_info
@@ -476,8 +526,7 @@ class _TargetWorker:
         # The keyword the real target worker takes, so inspect.signature sees it.
         namespace: dict[str, Any] = {}
         exec(
-            f"def forward_batch_generation(mwb, {kwarg}=False):\n"
-            f"    return call(mwb, {kwarg})\n",
+            f"def forward_batch_generation(mwb, {kwarg}=False):\n    return call(mwb, {kwarg})\n",
             {"call": self._forward},
             namespace,
         )

@@ -91,9 +91,7 @@ def test_identical_decisions_on_simulated_dp_ranks() -> None:
     ranks = [DynSpecController(threshold=8) for _ in range(4)]
     for _ in range(3_000):
         local = [rng.randint(0, 20) for _ in ranks]  # per-rank decode batch sizes differ
-        decisions = {
-            c.decide(effective_batch_size(local[i], local)) for i, c in enumerate(ranks)
-        }
+        decisions = {c.decide(effective_batch_size(local[i], local)) for i, c in enumerate(ranks)}
         assert len(decisions) == 1
     assert ranks[0].n_switches > 0
 

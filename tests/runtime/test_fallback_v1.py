@@ -8,8 +8,14 @@ from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
 
-V1_RELEASES = ["0.4.6.post5", "0.4.10.post2", "0.5.3.post1", "0.5.5.post2", "0.5.10.post1",
-               "0.5.12.post1"]
+V1_RELEASES = [
+    "0.4.6.post5",
+    "0.4.10.post2",
+    "0.5.3.post1",
+    "0.5.5.post2",
+    "0.5.10.post1",
+    "0.5.12.post1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +46,9 @@ def test_fallback_step_call_sequence_and_invariants(shapes, version):
 
     world = make_world(shapes, version, batch_size=4, seq_len=10)
     batch = world.batch
-    roots = batch.spec_info.__dict__[world.shape.pick("EagleDraftInput", ("verified_id",
-                                                                          "bonus_tokens"))]
+    roots = batch.spec_info.__dict__[
+        world.shape.pick("EagleDraftInput", ("verified_id", "bonus_tokens"))
+    ]
     roots = roots.clone()
     seq_lens_tensor = batch.seq_lens
 
@@ -49,15 +56,15 @@ def test_fallback_step_call_sequence_and_invariants(shapes, version):
 
     assert result is not None
     names = world.recorder.names()
-    order = [n for n in names if n in ("prepare_for_verify", "target_forward", "verify",
-                                       "draft_extend")]
+    order = [
+        n for n in names if n in ("prepare_for_verify", "target_forward", "verify", "draft_extend")
+    ]
     assert order == ["prepare_for_verify", "target_forward", "verify", "draft_extend"]
     # One-node verify input rooted at the last verified token, as int64.
     vi = world.recorder.get("prepare_for_verify")["vi"]
     assert vi.draft_token.dtype == torch.int64
     assert torch.equal(vi.draft_token, roots.long())
-    index = getattr(vi, world.shape.pick("EagleVerifyInput", ("retrive_index",
-                                                              "retrieve_index")))
+    index = getattr(vi, world.shape.pick("EagleVerifyInput", ("retrive_index", "retrieve_index")))
     assert index.tolist() == [[0], [1], [2], [3]]
     assert (vi.draft_token_num, vi.spec_steps) == (1, 0)
     assert world.recorder.get("prepare_for_verify")["page_size"] == 1
@@ -75,7 +82,8 @@ def test_fallback_step_call_sequence_and_invariants(shapes, version):
     assert torch.equal(call["input_ids"], roots.long())
     assert call["graph"] is None
     assert getattr(world.worker.target_worker.model_runner, world.shape.graph_attr) is (
-        world.graph_sentinel)
+        world.graph_sentinel
+    )
     # SGLang's own verify did the bookkeeping, on the same seq_lens tensor.
     verify = world.recorder.get("verify")
     assert verify["spec_info_is_self"]
@@ -101,11 +109,15 @@ def test_return_contract_per_release(shapes, version):
         return
     assert type(result).__name__ == "GenerationBatchResult"
     fields = world.shape.fields["GenerationBatchResult"]
-    count = next(f for f in ("num_accepted_tokens", "num_accepted_drafts",
-                             "num_correct_drafts") if f in fields)
+    count = next(
+        f
+        for f in ("num_accepted_tokens", "num_accepted_drafts", "num_correct_drafts")
+        if f in fields
+    )
     assert getattr(result, count) == 0
-    per_req = [f for f in ("accept_length_per_req_cpu", "num_correct_drafts_per_req_cpu")
-               if f in fields]
+    per_req = [
+        f for f in ("accept_length_per_req_cpu", "num_correct_drafts_per_req_cpu") if f in fields
+    ]
     for name in per_req:
         assert getattr(result, name) == [0, 0, 0]
     assert result.next_token_ids.tolist() == [r.output_ids[0] for r in world.batch.reqs]
@@ -135,8 +147,9 @@ def test_finished_requests_are_dropped_from_the_draft_extend(shapes, version):
     assert world.batch.reqs[1].finished()
 
 
-@pytest.mark.parametrize(("version", "idle_call"), [("0.5.10.post1", None),
-                                                    ("0.5.12.post1", "preprocess_idle")])
+@pytest.mark.parametrize(
+    ("version", "idle_call"), [("0.5.10.post1", None), ("0.5.12.post1", "preprocess_idle")]
+)
 def test_all_finished_skips_the_draft_extend(shapes, version, idle_call):
     world = make_world(shapes, version, batch_size=2, max_new_tokens=1)
     dyn.maybe_fallback_v1(world.worker, world.batch)
@@ -172,8 +185,7 @@ def test_penalties_are_accumulated_with_the_int64_root(shapes):
 
 
 def test_logprobs_use_the_release_helper(shapes):
-    for version, event in (("0.4.10.post2", "add_logprob_values"),
-                           ("0.5.10.post1", "logprobs_v1")):
+    for version, event in (("0.4.10.post2", "add_logprob_values"), ("0.5.10.post1", "logprobs_v1")):
         dyn.reset_for_tests()
         world = make_world(shapes, version, batch_size=2)
         world.batch.return_logprob = True
@@ -252,8 +264,9 @@ def test_hybrid_target_is_refused(shapes, caplog):
     assert "hybrid" in caplog.text
 
 
-@pytest.mark.parametrize("missing", ["EagleVerifyOutput", "GenerationBatchResult",
-                                     "CaptureHiddenMode"])
+@pytest.mark.parametrize(
+    "missing", ["EagleVerifyOutput", "GenerationBatchResult", "CaptureHiddenMode"]
+)
 def test_missing_global_fails_closed_for_the_process(shapes, caplog, missing):
     world = make_world(shapes, "0.5.10.post1")
     saved = world.module.__dict__.pop(missing)
@@ -271,10 +284,13 @@ def test_unknown_required_verify_input_field_fails_closed(shapes, caplog):
     from tests.runtime.standins import World
 
     shape = shapes["0.5.10.post1"]
-    changed = dataclasses.replace(shape, fields={
-        **shape.fields,
-        "EagleVerifyInput": {**shape.fields["EagleVerifyInput"], "kv_loc_plan": False},
-    })
+    changed = dataclasses.replace(
+        shape,
+        fields={
+            **shape.fields,
+            "EagleVerifyInput": {**shape.fields["EagleVerifyInput"], "kv_loc_plan": False},
+        },
+    )
     world = World(changed)
     with caplog.at_level(logging.WARNING, logger=dyn.__name__):
         assert dyn.maybe_fallback_v1(world.worker, world.batch) is None

@@ -58,7 +58,10 @@ def test_fallback_step_pads_to_the_stride_and_keeps_invariants(shapes, version):
 
     names = world.recorder.names()
     assert [n for n in names if n in ("target_forward", "sample", "draft_extend_v2")] == [
-        "target_forward", "sample", "draft_extend_v2"]
+        "target_forward",
+        "sample",
+        "draft_extend_v2",
+    ]
     call = world.recorder.get("target_forward")
     assert call["mode"] == ForwardMode.DECODE
     assert call["spec_info"] is None
@@ -132,10 +135,15 @@ def test_on_publish_gets_new_seq_lens_before_the_draft_extend(shapes):
     assert "draft_extend_v2" not in seen_before
 
 
-@pytest.mark.parametrize(("version", "event"), [("0.5.5.post2", None),
-                                                ("0.5.10.post1", "logprobs_v2"),
-                                                ("0.5.12.post1", "logprobs_v2"),
-                                                ("0.5.13.post1", "logprobs_v2")])
+@pytest.mark.parametrize(
+    ("version", "event"),
+    [
+        ("0.5.5.post2", None),
+        ("0.5.10.post1", "logprobs_v2"),
+        ("0.5.12.post1", "logprobs_v2"),
+        ("0.5.13.post1", "logprobs_v2"),
+    ],
+)
 def test_logprobs_in_the_spec_v2_layout(shapes, version, event):
     world = make_world(shapes, version, batch_size=2)
     world.batch.return_logprob = True
@@ -170,9 +178,21 @@ def test_graph_attribute_restored_after_an_exception(shapes):
     assert world.worker.target_worker.model_runner.graph_runner is world.graph_sentinel
 
 
-def test_never_touches_the_adaptive_controller(shapes):
+def test_adaptive_v2_is_refused(shapes, caplog):
+    # The 0.5.12+ scheduler feeds every v2 result into the adaptive EMA itself.
     world = make_world(shapes, "0.5.13.post1")
-    assert run(world) is not None
+    world.worker.adaptive_controller = object()
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        assert run(world) is None
+    assert "adaptive" in caplog.text
+    assert world.recorder.names() == []
+
+
+def test_stride_disagreement_keeps_speculating(shapes):
+    world = make_world(shapes, "0.5.12.post1")
+    world.worker.draft_worker.speculative_num_draft_tokens = STRIDE + 1
+    assert run(world) is None
+    assert world.recorder.names() == []
 
 
 @pytest.mark.parametrize("case", ["extend", "extend_in_batch", "no_spec_info", "small"])

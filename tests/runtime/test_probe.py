@@ -44,12 +44,32 @@ def test_refused_worker_variants_are_reported_missing(version: str, variant: str
 @pytest.mark.parametrize(
     ("version", "expected"),
     [
-        ("0.4.6.post5", ["entry=forward_batch_speculative_generation", "target_kwarg=skip_sample",
-                         "graph_attr=cuda_graph_runner", "root_field=verified_id"]),
-        ("0.5.10.post1", ["entry=forward_batch_generation", "vo_next_input=draft_input",
-                          "target_kwarg=is_verify", "graph_attr=graph_runner"]),
-        ("0.5.12.post1", ["vo_next_input=draft_extend_input", "root_field=bonus_tokens",
-                          "gbr_stride=speculative_num_draft_tokens"]),
+        (
+            "0.4.6.post5",
+            [
+                "entry=forward_batch_speculative_generation",
+                "target_kwarg=skip_sample",
+                "graph_attr=cuda_graph_runner",
+                "root_field=verified_id",
+            ],
+        ),
+        (
+            "0.5.10.post1",
+            [
+                "entry=forward_batch_generation",
+                "vo_next_input=draft_input",
+                "target_kwarg=is_verify",
+                "graph_attr=graph_runner",
+            ],
+        ),
+        (
+            "0.5.12.post1",
+            [
+                "vo_next_input=draft_extend_input",
+                "root_field=bonus_tokens",
+                "gbr_stride=speculative_num_draft_tokens",
+            ],
+        ),
         ("0.5.13.post1", ["v1[absent]", "gbr_new_seq_lens=new_seq_lens"]),
         ("0.5.5.post2", ["gbr_allocate_lens=allocate_lens"]),
     ],
@@ -109,3 +129,11 @@ def test_empty_tree_is_not_ok_and_serialises() -> None:
     assert not report.ok
     data = report.to_json()
     assert data == {"era": "v1[absent]; v2[absent]", "ok": False, "native": False, "checks": []}
+
+
+def test_probe_directory_reads_an_unpacked_tree() -> None:
+    from transforms.runtime_probe import probe_directory
+
+    root = release_dir(find_pin("0.5.13.post1"))
+    assert probe_directory(root).ok
+    assert not probe_directory(root.parent).ok  # not the sglang package dir itself

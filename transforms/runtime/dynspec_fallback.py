@@ -101,8 +101,7 @@ class DynSpecController:
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
         wants_fallback = (
-            batch_size > self.threshold if not self.in_fallback
-            else batch_size > self.resume_below
+            batch_size > self.threshold if not self.in_fallback else batch_size > self.resume_below
         )
         if wants_fallback != self.in_fallback and self.steps_in_mode >= self.min_dwell_steps:
             self._switch(batch_size)
@@ -165,7 +164,10 @@ _COMMON_NEEDS: tuple[Need, ...] = (
     Need("capture_mode_cls", "module", ("CaptureHiddenMode",), why="FULL hidden capture"),
     Need("capture_full", "member", ("FULL",), owner="CaptureHiddenMode"),
     Need(
-        "bitmask_fn", "module", ("generate_token_bitmask",), optional=True,
+        "bitmask_fn",
+        "module",
+        ("generate_token_bitmask",),
+        optional=True,
         why="grammar mask of the tree; without it grammar batches keep speculating",
     ),
     Need("vi_draft_token", "fields", ("draft_token",), owner="EagleVerifyInput"),
@@ -184,9 +186,7 @@ _COMMON_NEEDS: tuple[Need, ...] = (
         ("retrive_next_sibling", "retrieve_next_sibling"),
         owner="EagleVerifyInput",
     ),
-    Need(
-        "vi_cum_len", "fields", ("retrive_cum_len", "retrieve_cum_len"), owner="EagleVerifyInput"
-    ),
+    Need("vi_cum_len", "fields", ("retrive_cum_len", "retrieve_cum_len"), owner="EagleVerifyInput"),
     Need("vi_spec_steps", "fields", ("spec_steps",), owner="EagleVerifyInput"),
     Need("vi_draft_token_num", "fields", ("draft_token_num",), owner="EagleVerifyInput"),
     Need("vi_capture_mode", "fields", ("capture_hidden_mode",), owner="EagleVerifyInput"),
@@ -220,8 +220,12 @@ V1_NEEDS: tuple[Need, ...] = (
     Need("prepare_page_size", "param", ("page_size",), owner="EagleVerifyInput.prepare_for_verify"),
     Need("vi_verify", "member", ("verify",), owner="EagleVerifyInput"),
     Need(
-        "verify_vocab_mask", "param", ("vocab_mask",), owner="EagleVerifyInput.verify",
-        optional=True, why="without it grammar batches keep speculating",
+        "verify_vocab_mask",
+        "param",
+        ("vocab_mask",),
+        owner="EagleVerifyInput.verify",
+        optional=True,
+        why="without it grammar batches keep speculating",
     ),
     Need(
         "vo_next_input",
@@ -337,26 +341,48 @@ V2_NEEDS: tuple[Need, ...] = (
     Need("entry", "worker", ("forward_batch_generation",)),
     Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput"),
     Need(
-        "sample_vocab_mask", "param", ("vocab_mask",), owner="EagleVerifyInput.sample",
-        optional=True, why="without it grammar batches keep speculating",
+        "sample_vocab_mask",
+        "param",
+        ("vocab_mask",),
+        owner="EagleVerifyInput.sample",
+        optional=True,
+        why="without it grammar batches keep speculating",
     ),
     Need("result_cls", "module", ("GenerationBatchResult",)),
     Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
     Need("gbr_accept_lens", "fields", ("accept_lens",), owner="GenerationBatchResult"),
     Need(
-        "gbr_stride", "fields", ("speculative_num_draft_tokens",), owner="GenerationBatchResult",
-        optional=True, why="absent: the scheduler reads the worker's stride, so pad to it",
+        "gbr_stride",
+        "fields",
+        ("speculative_num_draft_tokens",),
+        owner="GenerationBatchResult",
+        optional=True,
+        why="absent: the scheduler reads the worker's stride, so pad to it",
     ),
-    Need("gbr_new_seq_lens", "fields", ("new_seq_lens",), owner="GenerationBatchResult",
-         optional=True),
-    Need("gbr_allocate_lens", "fields", ("allocate_lens",), owner="GenerationBatchResult",
-         optional=True),
-    Need("gbr_keep_alive", "fields", ("extra_keep_alive_refs",), owner="GenerationBatchResult",
-         optional=True),
+    Need(
+        "gbr_new_seq_lens",
+        "fields",
+        ("new_seq_lens",),
+        owner="GenerationBatchResult",
+        optional=True,
+    ),
+    Need(
+        "gbr_allocate_lens",
+        "fields",
+        ("allocate_lens",),
+        owner="GenerationBatchResult",
+        optional=True,
+    ),
+    Need(
+        "gbr_keep_alive",
+        "fields",
+        ("extra_keep_alive_refs",),
+        owner="GenerationBatchResult",
+        optional=True,
+    ),
     Need("di_new_seq_lens", "fields", ("new_seq_lens",), owner="EagleDraftInput", optional=True),
     Need("di_verify_done", "fields", ("verify_done",), owner="EagleDraftInput", optional=True),
-    Need("di_allocate_lens", "fields", ("allocate_lens",), owner="EagleDraftInput",
-         optional=True),
+    Need("di_allocate_lens", "fields", ("allocate_lens",), owner="EagleDraftInput", optional=True),
     Need("logprob_method", "worker", ("_compute_spec_v2_logprobs",), optional=True),
     Need("logprob_fn", "module", ("compute_spec_v2_logprobs",), optional=True),
     Need("target_worker", "worker", ("target_worker",)),
@@ -509,6 +535,10 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
             return "hybrid Mamba/GDN/Lightning target"
     if variant == "v2" and int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
         return "topk > 1 with the v2 worker"
+    if variant == "v2" and getattr(worker, "adaptive_controller", None) is not None:
+        # 0.5.12+: the scheduler feeds every v2 result's accept_lens into the adaptive EMA,
+        # so fallback steps would read as "no draft accepted" and skew it.
+        return "adaptive speculative decoding with the v2 worker"
     return None
 
 
@@ -537,8 +567,9 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         raise Unsupported(f"refused: {reason}")
     names, missing = resolve_needs(NEEDS_BY_VARIANT[variant], _live_has(worker, module_globals))
     if missing:
-        listed = ", ".join(f"{n.scope}:{n.owner + '.' if n.owner else ''}{n.candidates[0]}"
-                           for n in missing)
+        listed = ", ".join(
+            f"{n.scope}:{n.owner + '.' if n.owner else ''}{n.candidates[0]}" for n in missing
+        )
         raise Unsupported(f"this SGLang lacks {listed}")
     _check_verify_input_fields(module_globals[names["verify_input_cls"]], names)
     adapter = Adapter(
@@ -548,9 +579,8 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         controller=DynSpecController(
             threshold,
             resume_below=getattr(worker.server_args, "speculative_disable_resume_below", None),
-            min_dwell_steps=getattr(
-                worker.server_args, "speculative_disable_min_dwell_steps", None
-            ) or DEFAULT_MIN_DWELL_STEPS,
+            min_dwell_steps=getattr(worker.server_args, "speculative_disable_min_dwell_steps", None)
+            or DEFAULT_MIN_DWELL_STEPS,
             log=_rank0_logger(worker),
         ),
     )
@@ -841,6 +871,9 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         return None
     if batch.has_grammar and not adapter.extra["grammar"]:
         return None
+    stride = int(worker.speculative_num_draft_tokens)
+    if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
+        return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
     if not _decide(adapter, batch):
         return None
     return _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
@@ -879,8 +912,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
     sample_args = [batch, logits_output]
     if names["sample_vocab_mask"] is not None:
-        sample_args.append(_grammar_mask(adapter, batch, vi, device) if batch.has_grammar
-                           else None)
+        sample_args.append(_grammar_mask(adapter, batch, vi, device) if batch.has_grammar else None)
     predict, accept_lens, _ = vi.sample(*sample_args)
 
     # 3) pad back to the stride the scheduler and the draft-extend graph read
@@ -893,8 +925,15 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
         _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
     new_seq_lens = batch.seq_lens + accept_lens
     result = _v2_result(
-        adapter, draft_input, logits_output, padded_tokens, accept_lens, new_seq_lens,
-        can_run_graph, stride, keep_alive=decode_batch,
+        adapter,
+        draft_input,
+        logits_output,
+        padded_tokens,
+        accept_lens,
+        new_seq_lens,
+        can_run_graph,
+        stride,
+        keep_alive=decode_batch,
     )
     if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
         on_publish(new_seq_lens)
@@ -939,8 +978,9 @@ def _v2_result(
     import torch
 
     names = adapter.names
-    next_kwargs: dict[str, Any] = {adapter.name("root_field"): padded_tokens[::stride].to(
-        torch.int32)}
+    next_kwargs: dict[str, Any] = {
+        adapter.name("root_field"): padded_tokens[::stride].to(torch.int32)
+    }
     result_kwargs: dict[str, Any] = {
         "logits_output": logits_output,
         "next_token_ids": padded_tokens,
