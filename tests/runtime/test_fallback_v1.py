@@ -315,3 +315,22 @@ def test_switch_is_logged_on_rank0_only(shapes, caplog):
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
         dyn.maybe_fallback_v1(world.worker, world.batch)
     assert caplog.text.count("spec -> fallback at decode bs=4") == 1
+
+
+def test_invalid_hysteresis_arguments_fail_closed(shapes, caplog):
+    world = make_world(shapes, "0.5.10.post1", threshold=4, speculative_disable_resume_below=9)
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        assert dyn.maybe_fallback_v1(world.worker, world.batch) is None
+    assert "resume_below" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("version", "moe_contexts"), [("0.4.10.post2", 0), ("0.5.5.post2", 1), ("0.5.10.post1", 2)]
+)
+def test_draft_extend_runs_inside_the_worker_contexts(shapes, version, moe_contexts):
+    world = make_world(shapes, version)
+    dyn.maybe_fallback_v1(world.worker, world.batch)
+    names = world.recorder.names()
+    before_extend = names[: names.index("draft_extend")]
+    assert before_extend.count("moe_enter") == moe_contexts
+    assert before_extend.count("draft_tp_enter") == 1

@@ -28,7 +28,7 @@ import logging
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -451,8 +451,10 @@ class Adapter:
     names: dict[str, str | None]
     module_globals: dict[str, Any]
     controller: DynSpecController
+    # The 0.4.x entry returns a tuple of this length; None: a GenerationBatchResult.
     tuple_arity: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Whether grammar batches can take the fallback (the release can mask the one-node tree).
+    grammar: bool = False
 
     def cls(self, key: str) -> Any:
         """The worker-module global a need resolved to."""
@@ -585,7 +587,7 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         ),
     )
     mask_param = names["verify_vocab_mask" if variant == "v1" else "sample_vocab_mask"]
-    adapter.extra["grammar"] = mask_param is not None and names["bitmask_fn"] is not None
+    adapter.grammar = mask_param is not None and names["bitmask_fn"] is not None
     if variant == "v1":
         _resolve_v1_contract(worker, adapter)
     else:
@@ -625,13 +627,11 @@ def _resolve_v1_contract(worker: Any, adapter: Adapter) -> None:
 
 def _resolve_v2_contract(adapter: Adapter) -> None:
     names = adapter.names
-    gbr_fields = _dataclass_field_names(adapter.cls("result_cls"))
     # Where new_seq_lens travels: on the result (0.5.13+) or on the next draft input.
     if names["gbr_new_seq_lens"] is None and names["di_new_seq_lens"] is None:
         raise Unsupported("neither GenerationBatchResult nor EagleDraftInput has new_seq_lens")
     if names["gbr_allocate_lens"] is not None and names["di_allocate_lens"] is None:
         raise Unsupported("allocate_lens on the result but not on EagleDraftInput")
-    adapter.extra["gbr_fields"] = gbr_fields
 
 
 def _adapter_for(worker: Any, variant: str) -> Adapter | None:
@@ -645,7 +645,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         return None
     try:
         adapter = _build_adapter(worker, variant, int(threshold))
-    except Unsupported as exc:
+    except (Unsupported, ValueError) as exc:  # ValueError: bad threshold / hysteresis args
         _warn_rank0(worker, str(exc))
         _adapters[type(worker)] = _OFF
         return None
@@ -674,13 +674,15 @@ def bypass_target_graph(model_runner: Any, attr: str) -> Iterator[None]:
         setattr(model_runner, attr, saved)
 
 
-def _draft_contexts(adapter: Adapter, tp_context: Any, tp_group: Any) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    stack.enter_context(tp_context(tp_group))
-    for key in ("moe_ctx", "moe_a2a_ctx"):
-        if adapter.names[key] is not None:
-            stack.enter_context(adapter.cls(key)())
-    return stack
+@contextlib.contextmanager
+def _draft_contexts(adapter: Adapter, tp_context: Any, tp_group: Any) -> Iterator[None]:
+    """The contexts the worker wraps its own draft calls in (MoE ones where they exist)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tp_context(tp_group))
+        for key in ("moe_ctx", "moe_a2a_ctx"):
+            if adapter.names[key] is not None:
+                stack.enter_context(adapter.cls(key)())
+        yield
 
 
 def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu: Any) -> Any:
@@ -703,7 +705,10 @@ def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu
         "vi_draft_token_num": 1,
         "vi_capture_mode": adapter.cls("capture_mode_cls").FULL,
         "vi_topk": 1,
-        "vi_seq_lens_sum": int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else None,
+        # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does.
+        "vi_seq_lens_sum": int(
+            (seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens).sum()
+        ),
         "vi_seq_lens_cpu": seq_lens_cpu,
     }
     kwargs = {names[k]: v for k, v in values.items() if names.get(k) is not None}
@@ -763,7 +768,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     adapter = _adapter_for(worker, "v1")
     if adapter is None or not _is_pure_decode(batch):
         return None
-    if batch.has_grammar and not adapter.extra["grammar"]:
+    if batch.has_grammar and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
         return None
@@ -869,7 +874,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     adapter = _adapter_for(worker, "v2")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
         return None
-    if batch.has_grammar and not adapter.extra["grammar"]:
+    if batch.has_grammar and not adapter.grammar:
         return None
     stride = int(worker.speculative_num_draft_tokens)
     if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
@@ -904,6 +909,8 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     if seq_lens_cpu is not None:
         decode_batch.seq_lens_cpu = seq_lens_cpu + 1
         decode_batch.seq_lens_sum = int(decode_batch.seq_lens_cpu.sum())
+    else:
+        decode_batch.seq_lens_sum = int(decode_batch.seq_lens.sum())
     decode_batch.spec_info = None
     decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
     logits_output, can_run_graph = _target_decode(adapter, decode_batch, worker.target_worker)
