@@ -430,3 +430,9 @@ def probe_directory(sglang_dir: Path, variants: tuple[str, ...] | None = None) -
         return path.read_text(encoding="utf-8") if path.is_file() else None
 
     return probe_release(read, variants)
+
+
+def resolve_static(read: Reader, variant: str) -> dict[str, str | None]:
+    """The spelling of every need the adapter would pick for ``variant`` in this tree."""
+    names, _ = resolve_needs(NEEDS_BY_VARIANT[variant], _StaticHas(_Tree(read), variant))
+    return names

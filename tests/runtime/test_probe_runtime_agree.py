@@ -1,0 +1,55 @@
+"""The live adapter and the static probe resolve the same names for every pinned release."""
+
+import pytest
+
+from transforms.runtime import dynspec_fallback as dyn
+
+pytestmark = pytest.mark.torch
+
+V1_RELEASES = [
+    "0.4.6.post5",
+    "0.4.10.post2",
+    "0.5.3.post1",
+    "0.5.5.post2",
+    "0.5.10.post1",
+    "0.5.12.post1",
+]
+V2_RELEASES = ["0.5.5.post2", "0.5.10.post1", "0.5.12.post1", "0.5.13.post1"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_adapters():
+    dyn.reset_for_tests()
+    yield
+    dyn.reset_for_tests()
+
+
+@pytest.mark.parametrize(
+    ("version", "variant"),
+    [
+        (v, "v1")
+        for v in (
+            "0.4.6.post5",
+            "0.4.10.post2",
+            "0.5.3.post1",
+            "0.5.5.post2",
+            "0.5.10.post1",
+            "0.5.12.post1",
+        )
+    ]
+    + [(v, "v2") for v in V2_RELEASES],
+)
+def test_live_adapter_and_static_probe_pick_the_same_names(version, variant):
+    from patcher.releases import find_pin, release_dir
+    from tests.runtime.standins import World, read_shape
+    from transforms.runtime_probe import probe_directory, resolve_static
+
+    root = release_dir(find_pin(version))
+    world = World(read_shape(version, variant))
+    adapter = dyn._adapter_for(world.worker, variant)
+    assert adapter is not None
+    static = resolve_static(
+        lambda rel: (root / rel).read_text() if (root / rel).is_file() else None, variant
+    )
+    assert adapter.names == static
+    assert probe_directory(root, (variant,)).ok
