@@ -29,7 +29,8 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # never print locals (paths, keys) in a traceback
     help="Add dynamic speculation disable (--speculative-disable-batch-threshold) to SGLang.",
 )
-out = Console(highlight=False)
+# Tables and diffs are read in CI logs too: never squeeze them below 120 columns.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, highlight=False)
 
 SglangRoot = Annotated[
@@ -97,7 +98,7 @@ def _summary(plan: Plan) -> None:
     )
     out.print(Text(plan.reason))
     if plan.files:
-        out.print(_files_table(plan), width=max(out.width, 120))
+        out.print(_files_table(plan))
     if plan.native:
         out.print(Text("launch flags: " + " ".join(plan.native.flags), style="bold"))
         out.print(Text(json.dumps(plan.native.config)))
@@ -324,7 +325,7 @@ def check_pins(
                     "ok" if row.ok else f"FAIL: {row.problem}", style="green" if row.ok else "red"
                 ),
             )
-        out.print(table, width=max(out.width, 120))
+        out.print(table)
     failed = [row.release for row in rows if not row.ok]
     if failed:
         raise DynspecError(f"check-pins failed for {', '.join(failed)}")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run every test tier of dynspec-patch from a clean checkout (the README's test command).
+#
+# Needs Python >= 3.11, and for the SSH tier openssh-server + sudo installed and root
+# (the tests start their own sshd on 127.0.0.1 and create their own test accounts).
+# Creates ./.venv, fetches every pinned SGLang wheel into the cache (sha256-checked) while
+# proving each codemod on it (check-pins), builds the slow tier's import virtualenvs, then
+# runs pytest offline: the tests themselves talk only to 127.0.0.0/8.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv="${DYNSPEC_VENV:-.venv}"
+pip_opts=(--quiet --retries 5 --disable-pip-version-check)
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+# torch only for the runtime's CPU tests: always the 2.13.0 CPU wheel (an unpinned one is CUDA).
+"$venv/bin/pip" install "${pip_opts[@]}" -e '.[test]' torch==2.13.0
+
+echo "== lint"
+"$venv/bin/ruff" check .
+
+echo "== check-pins: apply, re-apply, revert on every pinned release"
+"$venv/bin/dynspec-patch" check-pins
+
+echo "== slow tier virtualenvs"
+bash tests/slow/setup_envs.sh
+
+echo "== tests"
+export DYNSPEC_OFFLINE=1
+"$venv/bin/python" -m pytest -m "not slow" -q -p no:cacheprovider "$@"
+"$venv/bin/python" -m pytest -m slow -q -p no:cacheprovider "$@"
