@@ -18,10 +18,11 @@ from rich.table import Table
 from rich.text import Text
 
 from patcher import checks, local
-from patcher.engine import Plan, plan_apply, plan_revert, plan_status
+from patcher.engine import Plan, patchable_workers, plan_apply, plan_revert, plan_status
 from patcher.errors import DynspecError, RefusedError, UsageError
 from patcher.releases import copy_release, find_pin, load_pins
 from transforms.markers import TOOL_VERSION
+from transforms.runtime_probe import probe_directory
 
 app = typer.Typer(
     add_completion=False,
@@ -329,6 +330,30 @@ def check_pins(
     failed = [row.release for row in rows if not row.ok]
     if failed:
         raise DynspecError(f"check-pins failed for {', '.join(failed)}")
+
+
+@app.command()
+def probe(sglang_root: SglangRoot = None, as_json: JsonFlag = False) -> None:
+    """List every name the runtime module needs in this tree, and whether it is there."""
+    package = _package(sglang_root)
+    snapshot = local.read_snapshot(package)
+    status_plan = plan_status(snapshot)
+    if status_plan.route != "patch":
+        raise RefusedError(f"not a patchable release ({status_plan.route}): {status_plan.reason}")
+    report = probe_directory(package, patchable_workers(snapshot))
+    if as_json:
+        _print_json({"sglang_version": status_plan.sglang_version} | report.to_json())
+    else:
+        table = Table(title=f"sglang {status_plan.sglang_version}: {report.era}")
+        for column in ("name", "file", "found", "detail"):
+            table.add_column(column)
+        for check in report.checks:
+            found = Text("yes", style="green") if check.found else Text("NO", style="red")
+            table.add_row(Text(check.name), Text(check.file), found, Text(check.detail))
+        out.print(table)
+    if not report.ok:
+        missing = [c.name for c in report.checks if not c.found]
+        raise DynspecError(f"{len(missing)} name(s) the runtime needs are missing: {missing[:5]}")
 
 
 @app.command()

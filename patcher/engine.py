@@ -367,6 +367,17 @@ def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
     return FileChange(path, data, data, label, label, "unchanged", reason)
 
 
+def patchable_workers(snapshot: Snapshot) -> tuple[str, ...]:
+    """The workers (v1, v2) present in the tree that the codemods would accept."""
+    analyses = _Analyses(snapshot)
+    return tuple(
+        name
+        for name, codemod_class in WORKER_CODEMODS.items()
+        if snapshot.get(codemod_class.PATH) is not None
+        and analyses.of(codemod_class()).refusal is None  # type: ignore[attr-defined]
+    )
+
+
 def plan_status(snapshot: Snapshot) -> Plan:
     """Route and per-file state, without planning any change (detect-path, status)."""
     version = release_version(snapshot)

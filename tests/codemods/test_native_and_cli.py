@@ -135,3 +135,16 @@ def test_pin_with_a_wrong_hash_is_not_served_from_cache(tmp_path, monkeypatch):
     unpacked = release_dir(real)
     assert (unpacked / "srt" / "server_args.py").exists()
     assert Path(unpacked.parent / ".complete").read_text().strip() == real.sha256
+
+
+def test_probe_command_exit_codes(scratch, capsys):
+    package = scratch(find_pin("0.5.10.post1"))
+    assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.5.10.post1")))]) == 0
+    assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.5.23")))]) == 3
+    info = package.parent / "full"
+    shutil.copytree(release_dir(find_pin("0.5.10.post1")), info / "sglang")
+    eagle_info = info / "sglang" / "srt" / "speculative" / "eagle_info.py"
+    eagle_info.write_text(eagle_info.read_text().replace("retrive_next_sibling", "retr_sibling"))
+    capsys.readouterr()
+    assert run(["probe", "--sglang-root", str(info / "sglang"), "--json"]) == 1
+    assert '"found": false' in capsys.readouterr().out
