@@ -37,15 +37,43 @@ def _is_stubbed(fullname: str) -> bool:
     return fullname.split(".", 1)[0] in STUBBED_PACKAGES
 
 
+class StubCalledError(RuntimeError):
+    """A stand-in for a GPU kernel was called after the imports were done."""
+
+
+_CREATED: list[mock.MagicMock] = []
+_FORBIDDEN = False
+
+
+def _refuse(name: str) -> Callable[..., Any]:
+    def side_effect(*_: Any, **__: Any) -> Any:
+        raise StubCalledError(f"{name} is a GPU stand-in with no CPU implementation")
+
+    return side_effect
+
+
 class StubModule(types.ModuleType):
     """A package whose every missing attribute is a named MagicMock."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)  # keep dunder probes (e.g. __wrapped__) honest
-        value = mock.MagicMock(name=f"{self.__name__}.{name}")
+        dotted = f"{self.__name__}.{name}"
+        value = mock.MagicMock(name=dotted)
+        if _FORBIDDEN:
+            value.side_effect = _refuse(dotted)
+        _CREATED.append(value)
         setattr(self, name, value)
         return value
+
+
+def forbid_stub_calls() -> None:
+    """From now on, calling any stand-in raises: decorators and import-time calls are over, and
+    a kernel that runs must be a reference implementation, never a silent MagicMock."""
+    global _FORBIDDEN
+    _FORBIDDEN = True
+    for value in _CREATED:
+        value.side_effect = _refuse(value._mock_name or "stub")
 
 
 class _StubLoader(importlib.abc.Loader):

@@ -1,0 +1,244 @@
+"""Run inside an import-check venv: import a PATCHED release and report what happened, as JSON.
+
+    python drive.py CHECK VARIANT          (PYTHONPATH = stubs : harness : <patched tree parent>)
+
+CHECK is one of:
+  wiring   the patched module imports, its hook is the first statement of the entry method
+           and calls the installed dynspec_fallback; ServerArgs has the field and the flag
+  steps    (v1) drive fallback decode steps end to end through the real worker entry
+  v2step   (v2) drive one fallback step through the real EAGLEWorkerV2 entry
+
+The JSON goes to stdout's last line; the pytest side asserts on it. Nothing is asserted here
+except "this must not happen" conditions the harness itself relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import sys
+import textwrap
+import traceback
+from typing import Any
+
+import world
+from cpu_device import CudaAsCpu
+
+HOOK_PREFIX = "_dynspec_out = dynspec_fallback.maybe_fallback_"
+
+
+def entry_name(release: world.Release) -> str:
+    names = ["forward_batch_speculative_generation", "forward_batch_generation"]
+    if release.variant == "v2":
+        names = names[1:]
+    for name in names:
+        if name in vars(release.worker_cls):
+            return name
+    raise AssertionError(f"no entry method on {release.worker_cls.__name__}")
+
+
+def first_statements(fn: Any, count: int) -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # docstring
+    return [ast.unparse(stmt) for stmt in body[:count]]
+
+
+def check_wiring(variant: str) -> dict[str, Any]:
+    release = world.import_release(variant)
+    entry = entry_name(release)
+    method = getattr(release.worker_cls, entry)
+    bound_fallback = vars(release.worker_mod).get("dynspec_fallback")
+    sa_mod = sys.modules["sglang.srt.server_args"]
+    fields = {f.name: f.default for f in sa_mod.dataclasses.fields(sa_mod.ServerArgs)} if hasattr(
+        sa_mod, "dataclasses") else {}
+    if not fields:
+        import dataclasses
+
+        fields = {f.name: f.default for f in dataclasses.fields(sa_mod.ServerArgs)}
+    parser = argparse.ArgumentParser()
+    sa_mod.ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(
+        ["--model-path", "toy", "--speculative-disable-batch-threshold", "6"]
+    )
+    # Call the real entry with a recording fallback: proves the hook is live, not just present.
+    seen: list[tuple[Any, ...]] = []
+    sentinel = object()
+    hook_name = f"maybe_fallback_{variant}"
+    original = getattr(bound_fallback, hook_name)
+
+    def recorder(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        return sentinel
+
+    setattr(bound_fallback, hook_name, recorder)
+    try:
+        worker = object.__new__(release.worker_cls)
+        batch = object()
+        returned = method(worker, batch)
+    finally:
+        setattr(bound_fallback, hook_name, original)
+    args, kwargs = seen[0] if seen else ((), {})
+    return {
+        "entry": entry,
+        "first_statements": first_statements(method, 2),
+        "fallback_module_file": getattr(bound_fallback, "__file__", None),
+        "fallback_is_installed_module": bound_fallback
+        is sys.modules.get(f"{world.SPEC}.dynspec_fallback"),
+        "worker_module_file": release.worker_mod.__file__,
+        "hook_calls": len(seen),
+        "hook_got_worker_and_batch": bool(seen) and args[0] is worker and args[1] is batch,
+        "hook_kwargs": sorted(kwargs),
+        "entry_returned_hook_value": returned is sentinel,
+        "server_args_field_default": repr(fields.get("speculative_disable_batch_threshold",
+                                                     "MISSING")),
+        "cli_flag_value": getattr(parsed, "speculative_disable_batch_threshold", "MISSING"),
+        "kernel_placements": release.kernel_placements,
+    }
+
+
+def _snapshot_reqs(batch: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "rid": req.rid,
+            "output_ids": list(req.output_ids),
+            "finished": bool(req.finished()),
+            "kv_committed_len": getattr(req, "kv_committed_len", None),
+        }
+        for req in batch.reqs
+    ]
+
+
+def _result_summary(result: Any) -> dict[str, Any]:
+    if result is None:
+        return {"kind": "None"}
+    if isinstance(result, tuple):
+        tokens = result[1]
+        return {"kind": "tuple", "arity": len(result), "tokens": tokens.tolist(),
+                "count": result[3]}
+    summary: dict[str, Any] = {"kind": type(result).__name__}
+    for name in ("num_accepted_tokens", "num_accepted_drafts", "num_correct_drafts",
+                 "accept_length_per_req_cpu", "num_accepted_drafts_per_req_cpu",
+                 "num_correct_drafts_per_req_cpu", "can_run_cuda_graph"):
+        if hasattr(result, name):
+            summary[name] = getattr(result, name)
+    summary["tokens"] = result.next_token_ids.tolist()
+    return summary
+
+
+def _root_of(spec_info: Any) -> list[int] | None:
+    for name in ("bonus_tokens", "verified_id"):
+        value = getattr(spec_info, name, None)
+        if value is not None:
+            return value.tolist()
+    return None
+
+
+def check_steps(variant: str, steps: int, threshold: int) -> dict[str, Any]:
+    """v1: run ``steps`` decode steps through the patched entry of the real EAGLEWorker."""
+    release = world.import_release(variant)
+    args = world.server_args(threshold)
+    req_to_token_pool, allocator = world.memory()
+    total_slots = allocator.available_size()
+    specs = [
+        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=8),
+        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=3),
+        world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=40),
+    ]
+    batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    batch_ref = [batch]
+    worker = world.v1_worker(release, args, req_to_token_pool, allocator, batch_ref)
+    entry = getattr(release.worker_cls, entry_name(release))
+    report: dict[str, Any] = {
+        "entry": entry_name(release),
+        "total_slots": total_slots,
+        "initial": {"seq_lens": batch.seq_lens.tolist(), "reqs": _snapshot_reqs(batch)},
+        "steps": [],
+    }
+    for _ in range(steps):
+        if not batch.reqs:
+            break
+        before = {
+            "seq_lens": batch.seq_lens.tolist(),
+            "seq_lens_id": id(batch.seq_lens),
+            "free": allocator.available_size(),
+            "root": _root_of(batch.spec_info),
+            "rids": [r.rid for r in batch.reqs],
+        }
+        n_target = len(worker.target_worker.calls)
+        n_draft = len(worker.draft_model_runner.calls)
+        with CudaAsCpu():
+            result = entry(worker, batch)
+        after_rows = {
+            r.rid: batch.req_to_token_pool.req_to_token[r.req_pool_idx, : int(length)].tolist()
+            for r, length in zip(batch.reqs, batch.seq_lens.tolist(), strict=True)
+        }
+        step = {
+            "before": before,
+            "result": _result_summary(result),
+            "target_calls": [vars(c) for c in worker.target_worker.calls[n_target:]],
+            "draft_calls": [vars(c) for c in worker.draft_model_runner.calls[n_draft:]],
+            "graph_attr_after": repr(getattr(worker.target_worker.model_runner,
+                                             worker.target_worker.graph_attr)),
+            "seq_lens_after": batch.seq_lens.tolist(),
+            "forward_mode_after": batch.forward_mode.name,
+            "spec_info_type": type(batch.spec_info).__name__,
+            "spec_root_after": _root_of(batch.spec_info),
+            "topk_index_after": getattr(batch.spec_info, "topk_index", None).tolist()
+            if getattr(batch.spec_info, "topk_index", None) is not None else None,
+            "hidden_after": batch.spec_info.hidden_states[:, :3].tolist()
+            if getattr(batch.spec_info, "hidden_states", None) is not None else None,
+            "reqs": _snapshot_reqs(batch),
+            "req_to_token_rows": after_rows,
+            "free_after_step": allocator.available_size(),
+            "adaptive_calls": list(getattr(worker, "adaptive_controller", None).calls)
+            if hasattr(worker, "adaptive_controller") else [],
+        }
+        # What the scheduler does next (v1): release finished requests, drop them from the
+        # batch, trusting that spec_info already holds only the unfinished ones.
+        world.release_finished(batch)
+        world.call(batch.filter_batch, v1_spec_info_filtered=True)
+        step["rids_after_filter"] = [r.rid for r in batch.reqs]
+        step["spec_root_after_filter"] = _root_of(batch.spec_info) if batch.reqs else []
+        step["free_after_release"] = allocator.available_size()
+        step["live_kv"] = sum(
+            int(getattr(r, "kv_committed_len", 0) or 0) for r in batch.reqs
+        ) if batch.reqs and hasattr(batch.reqs[0], "kv_committed_len") else None
+        step["seq_lens_after_filter"] = batch.seq_lens.tolist() if batch.reqs else []
+        report["steps"].append(step)
+    adapter = release.fallback_mod._adapters.get(release.worker_cls)
+    controller = getattr(adapter, "controller", None)
+    report["controller"] = {
+        "fallback_steps": getattr(controller, "n_fallback_steps", None),
+        "spec_steps": getattr(controller, "n_spec_steps", None),
+        "switches": getattr(controller, "n_switches", None),
+    }
+    report["adapter_names"] = getattr(adapter, "names", None)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("check", choices=("wiring", "steps"))
+    parser.add_argument("variant", choices=("v1", "v2"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threshold", type=int, default=1)
+    ns = parser.parse_args()
+    try:
+        if ns.check == "wiring":
+            report = check_wiring(ns.variant)
+        else:
+            report = check_steps(ns.variant, ns.steps, ns.threshold)
+        report["ok"] = True
+    except Exception as exc:  # report, do not hide: the pytest side prints this
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+    print(json.dumps(report, default=repr))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
