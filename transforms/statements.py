@@ -58,17 +58,6 @@ class Analysis:
     unpatched_module: cst.Module | None = None  # the file with our statements removed
 
 
-def block_at(module: cst.Module, path: BlockPath) -> Block:
-    block: Block = module
-    for index in path:
-        statement = block.body[index]
-        body = getattr(statement, "body", None)
-        if not isinstance(body, cst.IndentedBlock):
-            raise AnchorMissing(f"statement {index} on path {path} has no indented body")
-        block = body
-    return block
-
-
 def _rebuild(block: Block, path: BlockPath, change: _BodyChange) -> Block:
     if not path:
         return block.with_changes(body=change(list(block.body)))
