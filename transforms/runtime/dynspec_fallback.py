@@ -893,6 +893,18 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     bs = len(batch.seq_lens)
     stride = int(worker.speculative_num_draft_tokens)
     device = batch.seq_lens.device
+    # These were made on the schedule stream and get rebound below; as verify() does, tell the
+    # caching allocator not to recycle them before this (forward) stream is done with them.
+    if device.type != "cpu":
+        stream = torch.get_device_module(device).current_stream()
+        for tensor in (
+            batch.seq_lens,
+            batch.req_pool_indices,
+            batch.input_ids,
+            batch.out_cache_loc,
+        ):
+            if tensor is not None:
+                tensor.record_stream(stream)
 
     # The scheduler over-allocated >= stride slots from L on; read them (never allocate).
     req_to_token = worker.req_to_token_pool.req_to_token
