@@ -34,6 +34,14 @@ app = typer.Typer(
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, highlight=False)
 
+ACTION_STYLES = {
+    "refused": "red",
+    "patched": "green",
+    "added": "green",
+    "reverted": "yellow",
+    "removed": "yellow",
+}
+
 SglangRoot = Annotated[
     Path | None,
     typer.Option("--sglang-root", help="An sglang package dir, or a checkout with python/sglang."),
@@ -70,16 +78,17 @@ def _diff(plan: Plan) -> Text:
 
 def _files_table(plan: Plan) -> Table:
     table = Table(show_edge=False, pad_edge=False)
+    if plan.operation == "status":
+        for column in ("file", "state", "detail"):
+            table.add_column(column)
+        for change in plan.files:
+            style = "red" if change.state_before == "unknown" else ""
+            table.add_row(change.path, Text(change.state_before, style=style), Text(change.reason))
+        return table
     for column in ("file", "before", "after", "action", "detail"):
         table.add_column(column)
     for change in plan.files:
-        style = {
-            "refused": "red",
-            "patched": "green",
-            "added": "green",
-            "reverted": "yellow",
-            "removed": "yellow",
-        }.get(change.action, "")
+        style = ACTION_STYLES.get(change.action, "")
         table.add_row(
             change.path,
             change.state_before,
