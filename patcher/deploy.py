@@ -302,7 +302,7 @@ def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequ
 
 def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence[str], *,
              restart_cmd: str | None, health_timeout: float, expect: Mapping[str, Any],
-             base_dir: str) -> dict[str, Any]:
+             base_dir: str, stop_timeout: float) -> dict[str, Any]:
     if not restart_cmd and (server.env is None or server.cwd is None):
         raise RefusedError(
             f"cannot read the environment/cwd of pid {server.pid} ({server.env_error}); "
@@ -310,7 +310,7 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
             "or --no-restart")
     args = {"state_dir": facts.state_dir, "package_dir": base_dir, "server": dict(server.raw),
             "argv": list(argv), "restart_cmd": restart_cmd, "health_timeout": health_timeout,
-            "expect": dict(expect), "undo": True}
+            "expect": dict(expect), "undo": True, "stop_timeout": stop_timeout}
     s.agent.send("restart", args)
     s.step("restart-sent")
     answer = s.agent.receive(timeout=health_timeout * 2 + 900)
@@ -335,7 +335,7 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
 
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
-          health_timeout: float) -> dict[str, Any]:
+          health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
     facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
     s.step("facts")
     server = choose_server(facts, required=not (dry_run or no_restart))
@@ -406,14 +406,15 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
     assert argv is not None
     result["restart"] = _restart(
         s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
-        expect=expect, base_dir=facts.state_dir if plan.route == "native" else package)
+        expect=expect, base_dir=facts.state_dir if plan.route == "native" else package,
+        stop_timeout=stop_timeout)
     result["restart"]["why"] = "; ".join(reasons)
     return result
 
 
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
-           health_timeout: float) -> dict[str, Any]:
+           health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
     facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
     s.step("facts")
     server = choose_server(facts, required=not (dry_run or no_restart))
@@ -477,7 +478,8 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
     assert argv is not None
     result["restart"] = _restart(
         s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
-        expect=expect, base_dir=facts.state_dir if route == "native" else package)
+        expect=expect, base_dir=facts.state_dir if route == "native" else package,
+        stop_timeout=stop_timeout)
     result["restart"]["why"] = "; ".join(reasons)
     return result
 

@@ -8,6 +8,7 @@ written), RollbackError 4 (files restored, original server relaunched), DynspecE
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +34,12 @@ def _run(opts: HostOptions, fn: Callable[..., dict[str, Any]], faults: Faults | 
          on_progress: Callable[[str], None] | None = None, **kwargs: Any) -> dict[str, Any]:
     target = resolve_target(
         opts.host, port=opts.port, user=opts.user, identity_file=opts.identity_file,
-        known_hosts=opts.known_hosts, ssh_config=opts.ssh_config,
+        known_hosts=opts.known_hosts,
+        ssh_config=opts.ssh_config or os.environ.get("DYNSPEC_SSH_CONFIG") or None,
         connect_timeout=opts.connect_timeout,
     )
-    with deploy.session(target, accept_new_host_key=opts.accept_new_host_key, faults=faults,
+    accept_new = opts.accept_new_host_key or target.accept_new_host_key
+    with deploy.session(target, accept_new_host_key=accept_new, faults=faults,
                         on_progress=on_progress) as s:
         result = fn(s, **kwargs)
         stats = s.conn.stats
@@ -52,22 +55,22 @@ def detect_path(opts: HostOptions, *, pid: int | None, port: int | None) -> dict
 
 def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: bool,
           no_restart: bool, restart_cmd: str | None, pid: int | None, port: int | None,
-          health_timeout: float, faults: Faults | None = None,
+          health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
           on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Patch the host's sglang (or write the native config), then restart and prove it."""
     return _run(opts, deploy.apply, faults, on_progress, threshold=threshold, worker=worker,
                 dry_run=dry_run, no_restart=no_restart, restart_cmd=restart_cmd, pid=pid,
-                port=port, health_timeout=health_timeout)
+                port=port, health_timeout=health_timeout, stop_timeout=stop_timeout)
 
 
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
-           health_timeout: float, faults: Faults | None = None,
+           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
            on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Restore the original bytes (refused if a file changed since apply, unless force)."""
     return _run(opts, deploy.revert, faults, on_progress, dry_run=dry_run, force=force,
                 no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
-                health_timeout=health_timeout)
+                health_timeout=health_timeout, stop_timeout=stop_timeout)
 
 
 def status(opts: HostOptions) -> dict[str, Any]:

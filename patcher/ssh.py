@@ -60,6 +60,7 @@ class SshTarget:
     connect_timeout: float = 15.0
     keepalive: int = 15
     config_path: str | None = None
+    accept_new_host_key: bool = False  # ssh_config StrictHostKeyChecking accept-new
 
 
 @dataclass
@@ -95,6 +96,11 @@ def resolve_target(
     """Merge the command line over ``ssh_config`` (command line wins; ``user@`` + a different
     ``--user`` is ambiguous and refused)."""
     at_user, alias = _split_user_host(host)
+    if alias.count(":") == 1 and alias.rsplit(":", 1)[1].isdigit():  # host:port
+        alias, port_s = alias.rsplit(":", 1)
+        if port and port != int(port_s):
+            raise UsageError(f"port given twice: {port_s} in {host!r} and --port {port}")
+        port = int(port_s)
     if at_user and user and at_user != user:
         raise UsageError(f"user given twice: {at_user!r} in {host!r} and --user {user!r}")
     user = user or at_user
@@ -131,6 +137,7 @@ def resolve_target(
         connect_timeout=timeout,
         keepalive=keepalive,
         config_path=cfg_path if os.path.exists(cfg_path) else None,
+        accept_new_host_key=entry.get("stricthostkeychecking", "").lower() == "accept-new",
     )
 
 

@@ -16,6 +16,7 @@ import remote_harness as harness  # noqa: E402
 from remote_harness import HOSTILE, OP_USER, FakeServer, Sshd  # noqa: E402
 
 _counter = itertools.count()
+_HOSTS: list[Host] = []
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +109,7 @@ def make_host(sshd: Sshd, remote_base: Path, pristine_venvs) -> Iterator:
             subprocess.run(["chown", "-R", owner, str(root)], check=True)
         host = Host(sshd, root, venv)
         made.append(host)
+        _HOSTS.append(host)
         return host
 
     yield make
@@ -121,8 +123,11 @@ def _no_pwned(remote_base: Path) -> Iterator[None]:
     for home in ("/", "/root", f"/home/{OP_USER}", f"/home/{harness.PLAIN_USER}"):
         for name in ("pwned", "pwned2"):
             assert not os.path.exists(os.path.join(home, name)), f"shell injection: {home}/{name}"
-    hits = [p for p in remote_base.rglob("pwned*")]
-    assert not hits, f"shell injection created {hits}"
+    for host in list(_HOSTS):
+        for d in (host.root, host.root.parent, *(srv.cwd for srv in host.servers)):
+            hits = list(d.glob("pwned*"))
+            assert not hits, f"shell injection created {hits}"
+    _HOSTS.clear()
 
 
 def pytest_collection_modifyitems(items: list) -> None:

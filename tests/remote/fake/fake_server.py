@@ -176,7 +176,9 @@ def main() -> None:
                                   "while True: time.sleep(1)"])
     ready_at = time.time() + float(ENV.get("FAKE_SGLANG_STARTUP_DELAY", "0"))
     unhealthy = is_patched and bool(ENV.get("FAKE_SGLANG_UNHEALTHY_IF_PATCHED"))
-    info = {**server_args, "version": v_text, "internal_states": [{}]}
+    info = {**server_args, "version": v_text, "internal_states": [{}],
+            "fake_cwd": os.getcwd(), "fake_argv": sys.argv[1:],
+            "fake_env_tag": ENV.get("DYNSPEC_TEST_TAG"), "fake_pid": os.getpid()}
     endpoints = ["/get_server_info"] + (["/server_info"] if v >= (0, 5, 6, 0) else [])
     if ENV.get("FAKE_SGLANG_NO_INFO"):
         endpoints = []
