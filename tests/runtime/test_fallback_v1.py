@@ -299,9 +299,17 @@ def test_unknown_required_verify_input_field_fails_closed(shapes, caplog):
 
 def test_warns_when_max_running_requests_cannot_exceed_threshold(shapes, caplog):
     world = make_world(shapes, "0.5.10.post1", threshold=64)
-    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
         dyn.maybe_fallback_v1(world.worker, world.batch)
     assert "max_running_requests=48 <= threshold=64" in caplog.text
+
+
+@pytest.mark.parametrize(("threshold", "warned"), [(8, False), (40, True)])
+def test_warns_about_the_default_cap_when_unset(shapes, caplog, threshold, warned):
+    world = make_world(shapes, "0.5.10.post1", threshold=threshold, max_running_requests=None)
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        dyn.maybe_fallback_v1(world.worker, world.batch)
+    assert ("--max-running-requests is unset" in caplog.text) is warned
 
 
 def test_switch_is_logged_on_rank0_only(shapes, caplog):

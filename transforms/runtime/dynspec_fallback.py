@@ -544,19 +544,38 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
     return None
 
 
-def _rank0_logger(worker: Any) -> Callable[[str], None]:
+def _rank0_logger(worker: Any, level: int = logging.INFO) -> Callable[[str], None]:
     is_rank0 = int(getattr(worker, "tp_rank", 0) or 0) == 0
 
     def log(message: str) -> None:
         if is_rank0:
-            logger.info(message)
+            logger.log(level, message)
 
     return log
 
 
 def _warn_rank0(worker: Any, message: str) -> None:
-    if int(getattr(worker, "tp_rank", 0) or 0) == 0:
-        logger.warning("[dynspec] speculation-disable fallback is OFF: %s", message)
+    _rank0_logger(worker, logging.WARNING)(
+        f"[dynspec] speculation-disable fallback is OFF: {message}"
+    )
+
+
+# With speculation on, SGLang caps running requests at 32 or 48 unless told otherwise.
+SPEC_DEFAULT_MAX_RUNNING = 32
+
+
+def _warn_if_never_triggers(worker: Any, threshold: int) -> None:
+    max_running = getattr(worker.server_args, "max_running_requests", None)
+    if max_running is not None and int(max_running) <= threshold:
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] max_running_requests={max_running} <= threshold={threshold}: the "
+            "fallback can never trigger"
+        )
+    elif max_running is None and threshold >= SPEC_DEFAULT_MAX_RUNNING:
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] threshold={threshold} but --max-running-requests is unset: speculative "
+            "servers default to 32 or 48 running requests, so the fallback may never trigger"
+        )
 
 
 def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
@@ -592,12 +611,7 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         _resolve_v1_contract(worker, adapter)
     else:
         _resolve_v2_contract(adapter)
-    max_running = getattr(worker.server_args, "max_running_requests", None)
-    if max_running is not None and int(max_running) <= threshold:
-        _rank0_logger(worker)(
-            f"[dynspec] max_running_requests={max_running} <= threshold={threshold}: the "
-            "fallback can never trigger (speculative servers default to 32 or 48)"
-        )
+    _warn_if_never_triggers(worker, threshold)
     return adapter
 
 
