@@ -218,7 +218,7 @@ def test_feature_off_without_threshold(shapes):
     assert dyn.maybe_fallback_v1(world.worker, world.batch) is None
 
 
-@pytest.mark.parametrize("attr", ["extend", "extend_in_batch", "idle"])
+@pytest.mark.parametrize("attr", ["extend", "extend_in_batch", "idle", "no_spec_info"])
 def test_non_decode_batches_speculate(shapes, attr):
     from tests.runtime.standins import ForwardMode
 
@@ -227,6 +227,8 @@ def test_non_decode_batches_speculate(shapes, attr):
         world.batch.forward_mode = ForwardMode.EXTEND
     elif attr == "idle":
         world.batch.forward_mode = ForwardMode.IDLE
+    elif attr == "no_spec_info":
+        world.batch.spec_info = None
     else:
         world.batch.is_extend_in_batch = True
     assert dyn.maybe_fallback_v1(world.worker, world.batch) is None

@@ -780,7 +780,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     controller chose to speculate.
     """
     adapter = _adapter_for(worker, "v1")
-    if adapter is None or not _is_pure_decode(batch):
+    if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
         return None
     if batch.has_grammar and not adapter.grammar:
         return None
