@@ -137,3 +137,52 @@ def test_probe_directory_reads_an_unpacked_tree() -> None:
     root = release_dir(find_pin("0.5.13.post1"))
     assert probe_directory(root).ok
     assert not probe_directory(root.parent).ok  # not the sglang package dir itself
+
+
+SYNTHETIC_WORKER = """
+from typing import TYPE_CHECKING
+from .info import EagleVerifyInput
+from sglang.srt.speculative.info import EagleDraftInput
+if TYPE_CHECKING:
+    from sglang.srt.speculative.other import EagleDraftInput
+
+class EAGLEWorker:
+    def forward_batch_generation(self, batch):
+        return None
+"""
+SYNTHETIC_INFO = """
+from dataclasses import dataclass
+from sglang.srt.speculative.other import EagleDraftInput  # shadowed by the class below
+
+@dataclass
+class Base:
+    draft_token: object
+    kv_loc_plan: object
+
+@dataclass
+class EagleVerifyInput(Base):
+    custom_mask: object = None
+
+@dataclass
+class EagleDraftInput:
+    bonus_tokens: object = None
+"""
+
+
+def test_fields_come_from_dataclass_bases_and_type_checking_imports_are_ignored() -> None:
+    files = {
+        "srt/speculative/eagle_worker.py": SYNTHETIC_WORKER,
+        "srt/speculative/info.py": SYNTHETIC_INFO,
+        "srt/speculative/other.py": "class EagleDraftInput:\n    verified_id: int = 0\n",
+    }
+    report = probe_release(files.get, variants=("v1",))
+    by_name = {c.name: c for c in report.checks}
+    # Inherited from the dataclass base, through a relative import.
+    assert by_name["v1 fields EagleVerifyInput.draft_token"].found
+    assert by_name["v1 fields EagleVerifyInput.draft_token"].file == "srt/speculative/info.py"
+    required = by_name["v1 EagleVerifyInput required fields all filled"]
+    assert not required.found and "kv_loc_plan" in required.detail
+    # A TYPE_CHECKING import never runs, and a later definition shadows an earlier import.
+    assert by_name["v1 fields EagleDraftInput.verified_id|bonus_tokens"].detail == (
+        "found bonus_tokens"
+    )
