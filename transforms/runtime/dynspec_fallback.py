@@ -8,9 +8,10 @@ The state after a fallback step equals the state after a spec step whose drafts 
 so speculation resumes without special handling.
 
 Safety rules:
-- every SGLang name this module touches is listed in ``NEEDS``; the adapter resolves them once per
-  process from the live worker module (``transforms/runtime_probe.py`` checks the same table
-  statically), and any missing name turns the feature off for the process (fail closed);
+- every SGLang name this module touches is listed in ``V1_NEEDS`` / ``V2_NEEDS``; the adapter
+  resolves them once per process from the live worker module (``transforms/runtime_probe.py``
+  checks the same tables statically), and any missing name turns the feature off for the
+  process (fail closed);
 - decisions use rank-identical integers only (batch sizes, step counters), never time.
 
 The module imports neither torch nor SGLang at import time: it must stay importable by the
