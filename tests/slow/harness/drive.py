@@ -220,18 +220,71 @@ def check_steps(variant: str, steps: int, threshold: int) -> dict[str, Any]:
     return report
 
 
+class SpecPathEntered(Exception):
+    """Raised by the spy on worker.draft: the hook returned None and the original body ran."""
+
+
+def check_at_threshold(variant: str) -> dict[str, Any]:
+    """bs == T must keep speculating: the hook returns None and the worker's own body runs."""
+    release = world.import_release(variant)
+    specs = [world.RequestSpec(prompt=[1, 2, 3], first_token=5, max_new_tokens=9)] * 3
+    args = world.server_args(threshold=len(specs))
+    req_to_token_pool, allocator = world.memory()
+    batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    worker = world.v1_worker(release, args, req_to_token_pool, allocator, [batch])
+    drafted: list[int] = []
+
+    def draft_spy(batch_arg: Any) -> Any:
+        drafted.append(len(batch_arg.reqs))
+        raise SpecPathEntered
+
+    worker.draft = draft_spy
+    entered = False
+    try:
+        with CudaAsCpu():
+            getattr(release.worker_cls, entry_name(release))(worker, batch)
+    except SpecPathEntered:
+        entered = True
+    adapter = release.fallback_mod._adapters.get(release.worker_cls)
+    return {
+        "spec_path_entered": entered,
+        "draft_batch_sizes": drafted,
+        "target_calls": len(worker.target_worker.calls),
+        "threshold": args.speculative_disable_batch_threshold,
+        "controller_spec_steps": getattr(getattr(adapter, "controller", None), "n_spec_steps",
+                                         None),
+    }
+
+
+CHECKS = ("wiring", "steps", "at_threshold", "all")
+
+
+def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
+    if check == "wiring":
+        return check_wiring(variant)
+    if check == "steps":
+        return check_steps(variant, steps, threshold)
+    if check == "at_threshold":
+        return check_at_threshold(variant)
+    # all: one interpreter per (release, worker) keeps the tier's run time down
+    report = {"wiring": check_wiring(variant)}
+    if variant == "v1":
+        report["steps"] = check_steps(variant, steps, threshold)
+        release = world.import_release(variant)
+        release.fallback_mod.reset_for_tests()  # a new server: the adapter resolves again
+        report["at_threshold"] = check_at_threshold(variant)
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("check", choices=("wiring", "steps"))
+    parser.add_argument("check", choices=CHECKS)
     parser.add_argument("variant", choices=("v1", "v2"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threshold", type=int, default=1)
     ns = parser.parse_args()
     try:
-        if ns.check == "wiring":
-            report = check_wiring(ns.variant)
-        else:
-            report = check_steps(ns.variant, ns.steps, ns.threshold)
+        report = run(ns.check, ns.variant, ns.steps, ns.threshold)
         report["ok"] = True
     except Exception as exc:  # report, do not hide: the pytest side prints this
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
