@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import libcst as cst
 
 from transforms.statements import (
@@ -14,13 +16,55 @@ from transforms.statements import (
     first_statement_index,
 )
 
-FIELD = "speculative_disable_batch_threshold"
-FLAG = "--speculative-disable-batch-threshold"
 FIELD_ANCHOR = "speculative_num_draft_tokens"
 FLAG_ANCHOR = "--speculative-num-draft-tokens"
-HELP = (
-    "Run plain (non-speculative) decode steps while the decode batch is larger than this; "
-    "speculation resumes when it drops. Default: off."
+
+
+@dataclass(frozen=True)
+class ServerArg:
+    """One new ``ServerArgs`` field, its flag, and the condition that makes it invalid."""
+
+    field: str
+    annotation: str
+    default: str
+    help: str
+    invalid_if: str
+    requirement: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+THRESHOLD = "speculative_disable_batch_threshold"
+SERVER_ARGS = (
+    ServerArg(
+        THRESHOLD,
+        "Optional[int]",
+        "None",
+        "Run plain (non-speculative) decode steps while the decode batch is larger than this; "
+        "speculation resumes when it drops. Default: off.",
+        f"self.{THRESHOLD} is not None and self.{THRESHOLD} < 1",
+        "must be >= 1",
+    ),
+    ServerArg(
+        "speculative_disable_resume_below",
+        "Optional[int]",
+        "None",
+        "Resume speculation once the decode batch is at most this "
+        "(default: T - max(1, T // 8), at least 1).",
+        "self.speculative_disable_resume_below is not None and not "
+        f"1 <= self.speculative_disable_resume_below <= (self.{THRESHOLD} or 0)",
+        "must be between 1 and --speculative-disable-batch-threshold",
+    ),
+    ServerArg(
+        "speculative_disable_min_dwell_steps",
+        "int",
+        "8",
+        "Decode steps to stay in one mode (speculative or plain) before switching again.",
+        "self.speculative_disable_min_dwell_steps < 1",
+        "must be >= 1",
+    ),
 )
 
 
@@ -85,17 +129,17 @@ def _has_optional(module: cst.Module) -> bool:
 
 
 class AddDisableThresholdArgCommand(MarkedInsertionCodemod):
-    """Add the field, its CLI flag and a ``>= 1`` check to ``ServerArgs``.
+    """Add the threshold (and its hysteresis knobs) as fields, CLI flags and checks.
 
-    The field goes after ``speculative_num_draft_tokens``, the flag after
-    ``--speculative-num-draft-tokens`` in ``add_cli_args``; the check opens
+    The fields go after ``speculative_num_draft_tokens``, the flags after
+    ``--speculative-num-draft-tokens`` in ``add_cli_args``; the checks open
     ``_handle_speculative_decoding`` (0.5.3+) or ``__post_init__`` (older). Up to 0.5.12.post1
     ``from_cli_args`` reads every field from argparse, so field and flag always go together.
     Refuses layouts where flags are generated from annotations (0.5.14+, S2–S4).
     """
 
     NAME = "server_args"
-    DESCRIPTION = "ServerArgs field and CLI flag speculative_disable_batch_threshold"
+    DESCRIPTION = "ServerArgs fields and CLI flags speculative_disable_*"
     PATH = "srt/server_args.py"
 
     def insertions(self, module: cst.Module) -> list[Insertion]:
@@ -113,22 +157,31 @@ class AddDisableThresholdArgCommand(MarkedInsertionCodemod):
             raise AnchorMissing(f"add_cli_args has no parser.add_argument({FLAG_ANCHOR!r}, ...)")
         flag_path, flag_index, parser = flag
         check_index, check = find_method(cls, ["_handle_speculative_decoding", "__post_init__"])
-        return [
-            Insertion((class_index,), field_index + 1, f"{FIELD}: Optional[int] = None"),
-            Insertion(
-                flag_path,
-                flag_index + 1,
-                f"{parser}.add_argument(\n"
-                f'    "{FLAG}",\n'
-                "    type=int,\n"
-                f"    default=ServerArgs.{FIELD},\n"
-                f'    help="{HELP}",\n'
-                ")",
-            ),
-            Insertion(
-                (class_index, check_index),
-                first_statement_index(check.body),
-                f"if self.{FIELD} is not None and self.{FIELD} < 1:\n"
-                f'    raise ValueError(f"{FLAG} must be >= 1, got {{self.{FIELD}}}")',
-            ),
-        ]
+        check_block, check_at = (class_index, check_index), first_statement_index(check.body)
+        insertions = []
+        for arg in SERVER_ARGS:
+            message = f"{arg.flag} {arg.requirement}, got {{self.{arg.field}}}"
+            insertions += [
+                Insertion(
+                    (class_index,),
+                    field_index + 1,
+                    f"{arg.field}: {arg.annotation} = {arg.default}",
+                ),
+                Insertion(
+                    flag_path,
+                    flag_index + 1,
+                    f"{parser}.add_argument(\n"
+                    f'    "{arg.flag}",\n'
+                    "    type=int,\n"
+                    f"    default=ServerArgs.{arg.field},\n"
+                    f'    help="{arg.help}",\n'
+                    ")",
+                ),
+                Insertion(
+                    check_block,
+                    check_at,
+                    f"if {arg.invalid_if}:\n"
+                    f'    raise ValueError(f"{message}")',
+                ),
+            ]
+        return insertions

@@ -154,6 +154,8 @@ SERVER_ARGS_AFTER = src("""
         speculative_num_steps: Optional[int] = None
         speculative_num_draft_tokens: Optional[int] = None
         speculative_disable_batch_threshold: Optional[int] = None  # dynspec-patch 0.1.0
+        speculative_disable_resume_below: Optional[int] = None  # dynspec-patch 0.1.0
+        speculative_disable_min_dwell_steps: int = 8  # dynspec-patch 0.1.0
         speculative_eagle_topk: Optional[int] = None
 
         def __post_init__(self):
@@ -162,6 +164,10 @@ SERVER_ARGS_AFTER = src("""
         def _handle_speculative_decoding(self):
             if self.speculative_disable_batch_threshold is not None and self.speculative_disable_batch_threshold < 1:  # dynspec-patch 0.1.0
                 raise ValueError(f"--speculative-disable-batch-threshold must be >= 1, got {self.speculative_disable_batch_threshold}")
+            if self.speculative_disable_resume_below is not None and not 1 <= self.speculative_disable_resume_below <= (self.speculative_disable_batch_threshold or 0):  # dynspec-patch 0.1.0
+                raise ValueError(f"--speculative-disable-resume-below must be between 1 and --speculative-disable-batch-threshold, got {self.speculative_disable_resume_below}")
+            if self.speculative_disable_min_dwell_steps < 1:  # dynspec-patch 0.1.0
+                raise ValueError(f"--speculative-disable-min-dwell-steps must be >= 1, got {self.speculative_disable_min_dwell_steps}")
             if self.speculative_num_steps is None:
                 self.speculative_num_steps = 3
 
@@ -178,6 +184,18 @@ SERVER_ARGS_AFTER = src("""
                     type=int,
                     default=ServerArgs.speculative_disable_batch_threshold,
                     help="Run plain (non-speculative) decode steps while the decode batch is larger than this; speculation resumes when it drops. Default: off.",
+                )  # dynspec-patch 0.1.0
+                p.add_argument(
+                    "--speculative-disable-resume-below",
+                    type=int,
+                    default=ServerArgs.speculative_disable_resume_below,
+                    help="Resume speculation once the decode batch is at most this (default: T - max(1, T // 8), at least 1).",
+                )  # dynspec-patch 0.1.0
+                p.add_argument(
+                    "--speculative-disable-min-dwell-steps",
+                    type=int,
+                    default=ServerArgs.speculative_disable_min_dwell_steps,
+                    help="Decode steps to stay in one mode (speculative or plain) before switching again.",
                 )  # dynspec-patch 0.1.0
             p.add_argument("--speculative-eagle-topk", type=int)
 """)  # noqa: E501
@@ -207,13 +225,26 @@ def test_server_args_threshold_check_really_rejects_zero():
     )
     with pytest.raises(ValueError, match=">= 1, got 0"):
         server_args(speculative_disable_batch_threshold=0)
+    with pytest.raises(ValueError, match="resume-below must be between 1 and"):
+        server_args(speculative_disable_batch_threshold=4, speculative_disable_resume_below=5)
+    with pytest.raises(ValueError, match="resume-below must be between 1 and"):
+        server_args(speculative_disable_resume_below=2)  # no threshold: nothing to resume to
+    with pytest.raises(ValueError, match="dwell-steps must be >= 1, got 0"):
+        server_args(speculative_disable_min_dwell_steps=0)
+    both = server_args(speculative_disable_batch_threshold=4, speculative_disable_resume_below=4)
+    assert both.speculative_disable_resume_below == 4
     import argparse
 
     parser = argparse.ArgumentParser()
     server_args.add_cli_args(parser)
-    args = parser.parse_args(["--speculative-disable-batch-threshold", "12"])
+    args = parser.parse_args(
+        ["--speculative-disable-batch-threshold", "12", "--speculative-disable-resume-below", "9"]
+    )
     assert args.speculative_disable_batch_threshold == 12
-    assert parser.parse_args([]).speculative_disable_batch_threshold is None
+    assert args.speculative_disable_resume_below == 9
+    defaults = parser.parse_args([])
+    assert defaults.speculative_disable_batch_threshold is None
+    assert defaults.speculative_disable_min_dwell_steps == 8
 
 
 @pytest.mark.parametrize(

@@ -48,28 +48,39 @@ def method(body: list[ast.stmt], names: tuple[str, ...]) -> ast.FunctionDef:
     return next(defined[name] for name in names if name in defined)
 
 
+NEW_FIELDS = {
+    "speculative_disable_batch_threshold": ("Optional[int]", None),
+    "speculative_disable_resume_below": ("Optional[int]", None),
+    "speculative_disable_min_dwell_steps": ("int", 8),
+}
+
+
 def assert_server_args_patched(source: str) -> None:
     tree = ast.parse(source)
     body = class_body(tree, "ServerArgs")
     fields = {n.target.id: n for n in body if isinstance(n, ast.AnnAssign)}
-    field = fields["speculative_disable_batch_threshold"]
-    assert ast.unparse(field.annotation) == "Optional[int]"
-    assert isinstance(field.value, ast.Constant) and field.value.value is None
-    calls = [
-        node
-        for node in ast.walk(method(body, ("add_cli_args",)))
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "attr", "") == "add_argument"
-        and node.args
-        and getattr(node.args[0], "value", None) == "--speculative-disable-batch-threshold"
-    ]
-    assert len(calls) == 1
-    keywords = {kw.arg: ast.unparse(kw.value) for kw in calls[0].keywords}
-    assert keywords["type"] == "int"
-    assert keywords["default"] == "ServerArgs.speculative_disable_batch_threshold"
-    assert "help" in keywords
-    check = method(body, ("_handle_speculative_decoding", "__post_init__"))
-    assert "speculative_disable_batch_threshold < 1" in ast.unparse(check)
+    cli = method(body, ("add_cli_args",))
+    check = ast.unparse(method(body, ("_handle_speculative_decoding", "__post_init__")))
+    for name, (annotation, default) in NEW_FIELDS.items():
+        field = fields[name]
+        assert ast.unparse(field.annotation) == annotation
+        assert isinstance(field.value, ast.Constant) and field.value.value == default
+        flag = "--" + name.replace("_", "-")
+        calls = [
+            node
+            for node in ast.walk(cli)
+            if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "add_argument"
+            and node.args
+            and getattr(node.args[0], "value", None) == flag
+        ]
+        assert len(calls) == 1
+        keywords = {kw.arg: ast.unparse(kw.value) for kw in calls[0].keywords}
+        assert keywords["type"] == "int"
+        assert keywords["default"] == f"ServerArgs.{name}"
+        assert "help" in keywords
+        assert f"raise ValueError(f'{flag} " in check
+    assert "speculative_disable_batch_threshold < 1" in check
 
 
 def assert_hooked(source: str, class_name: str, function: str) -> None:

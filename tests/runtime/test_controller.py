@@ -25,7 +25,8 @@ def test_batch_above_threshold_falls_back_at_once_from_start() -> None:
 
 
 def test_default_resume_below() -> None:
-    assert default_resume_below(1) == 0
+    assert default_resume_below(1) == 1  # a decode batch is never empty: 0 would never resume
+    assert default_resume_below(2) == 1
     assert default_resume_below(8) == 7
     assert default_resume_below(16) == 14
     assert default_resume_below(64) == 56
@@ -110,12 +111,20 @@ def test_effective_batch_size() -> None:
         {"threshold": 2.5},
         {"threshold": True},
         {"threshold": "8"},
-        {"threshold": 8, "resume_below": 8},
+        {"threshold": 8, "resume_below": 9},
+        {"threshold": 8, "resume_below": 0},
         {"threshold": 8, "resume_below": -1},
         {"threshold": 8, "min_dwell_steps": 0},
         {"threshold": 8, "min_dwell_steps": 1.5},
     ],
 )
+def test_threshold_one_still_resumes_when_load_drops() -> None:
+    controller = DynSpecController(1, min_dwell_steps=2)
+    assert [controller.decide(bs) for bs in (1, 4, 4, 4, 1, 1, 1)] == [
+        False, True, True, True, False, False, False
+    ]
+
+
 def test_argument_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DynSpecController(**kwargs)

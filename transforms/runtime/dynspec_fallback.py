@@ -47,8 +47,11 @@ V2_WORKER_CLASS = "EAGLEWorkerV2"
 
 
 def default_resume_below(threshold: int) -> int:
-    """Batch size at or below which speculation resumes: ``T - max(1, T // 8)``."""
-    return threshold - max(1, threshold // 8)
+    """Batch size at or below which speculation resumes: ``T - max(1, T // 8)``, at least 1.
+
+    At least 1, because a decode batch is never smaller: with 0, T = 1 would never resume.
+    """
+    return max(1, threshold - max(1, threshold // 8))
 
 
 def effective_batch_size(local_batch_size: int, global_num_tokens: list[int] | None) -> int:
@@ -80,9 +83,9 @@ class DynSpecController:
             resume_below = default_resume_below(threshold)
         if isinstance(resume_below, bool) or not isinstance(resume_below, int):
             raise ValueError(f"resume_below must be an integer, got {resume_below!r}")
-        if not 0 <= resume_below < threshold:
+        if not 1 <= resume_below <= threshold:
             raise ValueError(
-                f"resume_below must be in [0, threshold), got {resume_below} for {threshold}"
+                f"resume_below must be in [1, threshold], got {resume_below} for {threshold}"
             )
         if isinstance(min_dwell_steps, bool) or not isinstance(min_dwell_steps, int):
             raise ValueError(f"min_dwell_steps must be an integer, got {min_dwell_steps!r}")
