@@ -103,6 +103,19 @@ def test_effective_batch_size() -> None:
     assert effective_batch_size(3, [1, 7, 2]) == 7
 
 
+def test_threshold_one_still_resumes_when_load_drops() -> None:
+    controller = DynSpecController(1, min_dwell_steps=2)
+    assert [controller.decide(bs) for bs in (1, 4, 4, 4, 1, 1, 1)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -118,13 +131,6 @@ def test_effective_batch_size() -> None:
         {"threshold": 8, "min_dwell_steps": 1.5},
     ],
 )
-def test_threshold_one_still_resumes_when_load_drops() -> None:
-    controller = DynSpecController(1, min_dwell_steps=2)
-    assert [controller.decide(bs) for bs in (1, 4, 4, 4, 1, 1, 1)] == [
-        False, True, True, True, False, False, False
-    ]
-
-
 def test_argument_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DynSpecController(**kwargs)
