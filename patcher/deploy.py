@@ -318,7 +318,7 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
         healthy = answer.get("original_healthy")
         tail = (f"original files restored ({', '.join(answer.get('restored') or []) or 'none'})"
                 f" and the original command relaunched: "
-                + ("healthy again, pid %s" % answer.get("pid") if healthy
+                + (f"healthy again, pid {answer.get('pid')}" if healthy
                    else "NOT healthy: " + str(answer.get("rollback_error"))))
         raise RollbackError(f"restart failed: {answer.get('reason')}; {tail}; "
                             f"log {answer.get('log')}")

@@ -1,4 +1,4 @@
-# ruff: noqa: UP031, UP022, SIM105, RUF005
+# ruff: noqa: UP031, UP022, SIM105
 """The remote half of dynspec-patch: a stdlib-only program shipped over SSH and run on the host.
 
 ``patcher.ssh`` sends this file's source to the host's own ``python3`` (under ``sudo -n`` when
@@ -479,7 +479,9 @@ def take_lock(state):
             raise
         holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
         os.close(fd)
-        raise Busy("another dynspec-patch run holds %s (%s)" % (path, holder or "unknown holder"))
+        raise Busy(
+            "another dynspec-patch run holds %s (%s)" % (path, holder or "unknown holder")
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, ("pid %d user %s since %s\n" % (
         os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
@@ -757,7 +759,8 @@ def undo(state, pkg):
             copy = os.path.join(undo_dir, f["path"])
             if sha256_file(copy) != f["sha"]:
                 raise Refused("undo copy of %s is damaged" % f["path"])
-            tmp = os.path.join(os.path.dirname(target), ".%s.dynspec-undo.tmp" % os.path.basename(target))
+            tmp = os.path.join(os.path.dirname(target),
+                               ".%s.dynspec-undo.tmp" % os.path.basename(target))
             shutil.copy2(copy, tmp)
             os.rename(tmp, target)
         elif os.path.exists(target):
@@ -979,17 +982,25 @@ def start_and_check(spec, server, args, log_path, expect):
             os.close(fd)
         if rc != 0:
             raise Refused("restart command exited %d: %s" % (rc, log_tail(log_path)))
+        deadline = time.time() + args.get("stop_timeout", 60)
+        while time.time() < deadline and alive(server["pid"]):
+            time.sleep(0.05)
+        if alive(server["pid"]):
+            raise Refused(
+                "the restart command left the old server (pid %d) running" % server["pid"])
         gate(None, host, port, api_key, args["health_timeout"], log_path)
         new = find_by_port(port, 30)
         pid = new["pid"] if new else None
     else:
         stop = stop_tree(server, args.get("stop_timeout", 60))
-        progress("stopped pid %d (%s)" % (server["pid"], "KILL needed" if stop.get("killed") else "TERM"))
+        how = "KILL needed" if stop.get("killed") else "TERM"
+        progress("stopped pid %d (%s)" % (server["pid"], how))
         if not wait_port_closed(port, args.get("port_timeout", 120)):
             raise Refused("port %d still in use after the server stopped" % port)
         wait_gpu_free(stop.get("stopped", []), args.get("gpu_timeout", 300))
         proc = launch(spec, log_path)
-        progress("launched pid %d; waiting for health (timeout %ds)" % (proc.pid, args["health_timeout"]))
+        progress("launched pid %d; waiting for health (timeout %ds)"
+                 % (proc.pid, args["health_timeout"]))
         gate(proc, host, port, api_key, args["health_timeout"], log_path)
         pid = proc.pid
     proof = prove(host, port, api_key, expect)

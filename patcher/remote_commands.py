@@ -44,7 +44,8 @@ def _run(opts: HostOptions, fn: Callable[..., dict[str, Any]], faults: Faults | 
         result = fn(s, **kwargs)
         stats = s.conn.stats
         result["ssh"] = {"connections": stats.connections, "round_trips": stats.round_trips,
-                         "steps": list(stats.log)}
+                         "steps": list(stats.log),
+                         "seconds": [[name, round(sec, 4)] for name, sec in stats.seconds]}
         return result
 
 

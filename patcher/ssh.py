@@ -13,6 +13,7 @@ per agent request, one per HTTP GET through a ``direct-tcpip`` channel.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -70,6 +71,7 @@ class Stats:
     requests: int = 0
     http: int = 0
     log: list[str] = field(default_factory=list)
+    seconds: list[tuple[str, float]] = field(default_factory=list)  # step -> wall time
 
     @property
     def round_trips(self) -> int:
@@ -235,6 +237,7 @@ class Connection:
     def open(self) -> None:
         if self._client is not None:
             return
+        started = time.perf_counter()
         t = self.target
         sock = self._open_socket()
         client = paramiko.SSHClient()
@@ -277,6 +280,7 @@ class Connection:
         transport.set_keepalive(t.keepalive)
         self._client = client
         self.stats.connections += 1
+        self.stats.seconds.append((f"connect {t.alias}", time.perf_counter() - started))
 
     def _open_socket(self) -> Any:
         t = self.target
@@ -321,7 +325,8 @@ class Connection:
                 "direct-tcpip", (t.hostname, t.port), ("127.0.0.1", 0),
                 timeout=t.connect_timeout)
         except (paramiko.SSHException, OSError) as exc:
-            raise ConnectError(f"{via.target.alias} cannot reach {t.hostname}:{t.port}: {exc}") from exc
+            raise ConnectError(
+                f"{via.target.alias} cannot reach {t.hostname}:{t.port}: {exc}") from exc
 
     def close(self) -> None:
         if self._agent is not None:
@@ -339,10 +344,8 @@ class Connection:
         if self._client is not None:
             transport = self._client.get_transport()
             if transport is not None and transport.sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     transport.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 transport.sock.close()
 
     # -- commands ------------------------------------------------------------------------
@@ -367,11 +370,8 @@ class Connection:
                 if chan.recv_stderr_ready():
                     err += chan.recv_stderr(1 << 16)
                     continue
-                if chan.exit_status_ready() or chan.closed:
-                    while chan.recv_ready():
-                        out += chan.recv(1 << 16)
-                    while chan.recv_stderr_ready():
-                        err += chan.recv_stderr(1 << 16)
+                if chan.eof_received or chan.closed:
+                    # EOF comes after the last data byte (exit-status may come before it)
                     break
                 if time.monotonic() > deadline:
                     chan.close()
@@ -379,7 +379,14 @@ class Connection:
                 select.select([chan], [], [], 0.5)
                 if not self.transport.is_active():
                     raise ConnectionLost(f"connection to {self.target.alias} lost")
-            status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+            remaining = max(1.0, deadline - time.monotonic())
+            status = -1
+            while time.monotonic() < deadline + remaining and not chan.closed:
+                if chan.exit_status_ready():
+                    break
+                select.select([chan], [], [], 0.2)
+            if chan.exit_status_ready():
+                status = chan.recv_exit_status()
             chan.close()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise ConnectionLost(f"connection to {self.target.alias} lost: {exc}") from exc
@@ -487,6 +494,7 @@ class AgentSession:
         self._op = "start"
         conn.stats.execs += 1
         conn.stats.log.append("exec agent")
+        started = time.perf_counter()
         try:
             self.chan = conn.transport.open_session(timeout=conn.target.connect_timeout)
             self.chan.exec_command(agent_command(use_sudo))
@@ -494,6 +502,7 @@ class AgentSession:
             raise ConnectionLost(f"cannot start the remote agent: {exc}") from exc
         hello = self._read_message(60.0)
         self.hello: dict[str, Any] = hello["result"]
+        conn.stats.seconds.append(("agent start", time.perf_counter() - started))
 
     def close(self) -> None:
         try:
@@ -505,8 +514,12 @@ class AgentSession:
     def request(self, op: str, args: dict[str, Any] | None = None, *,
                 timeout: float = 600.0) -> dict[str, Any]:
         """Send one request and wait for its answer; raise on a refusal or error."""
+        started = time.perf_counter()
         self.send(op, args)
-        return self.receive(timeout=timeout)
+        try:
+            return self.receive(timeout=timeout)
+        finally:
+            self.conn.stats.seconds.append((f"request {op}", time.perf_counter() - started))
 
     def send(self, op: str, args: dict[str, Any] | None = None) -> None:
         self.conn.stats.requests += 1

@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import remote_harness as harness  # noqa: E402
-from remote_harness import HOSTILE, OP_USER, FakeServer, Sshd  # noqa: E402
+import remote_harness as harness
+from remote_harness import HOSTILE, OP_USER, FakeServer, Sshd
 
 _counter = itertools.count()
 _HOSTS: list[Host] = []

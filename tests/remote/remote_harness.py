@@ -211,7 +211,10 @@ def pids_matching(needle: str) -> list[int]:
 def kill_matching(needle: str) -> None:
     for pid in pids_matching(needle):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
 def make_base() -> Path:

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
 
-PKG = list(sglang.__path__)[0]
+PKG = next(iter(sglang.__path__))
 ENV = os.environ
 BOOL_FLAGS = {"disable_overlap_schedule", "enable_beta_spec", "speculative_adaptive",
               "enable_multi_layer_eagle", "trust_remote_code", "disable_cuda_graph"}
@@ -57,7 +57,7 @@ def version() -> str:
 def vkey(v: str) -> tuple:
     nums = [int(p) for p in v.split(".post")[0].split(".") if p.isdigit()]
     post = int(v.split(".post")[1]) if ".post" in v else 0
-    return (*nums, 0, 0)[:3] + (post,)
+    return (*(*nums, 0, 0)[:3], post)
 
 
 def patched() -> bool:
@@ -171,9 +171,9 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = None
     if ENV.get("FAKE_SGLANG_CHILD"):
-        child = subprocess.Popen([sys.executable, "-c",
-                                  "import signal,time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                                  "while True: time.sleep(1)"])
+        code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "while True: time.sleep(1)")
+        child = subprocess.Popen([sys.executable, "-c", code])
     ready_at = time.time() + float(ENV.get("FAKE_SGLANG_STARTUP_DELAY", "0"))
     unhealthy = is_patched and bool(ENV.get("FAKE_SGLANG_UNHEALTHY_IF_PATCHED"))
     info = {**server_args, "version": v_text, "internal_states": [{}],
@@ -194,7 +194,7 @@ def main() -> None:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             ready = time.time() >= ready_at and not unhealthy
             if self.path in ("/health", "/health_generate"):
                 self._send(200 if ready else 503)
@@ -203,7 +203,7 @@ def main() -> None:
             else:
                 self._send(404, b'{"detail":"Not Found"}')
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(length)
             if self.path == "/generate":
