@@ -54,6 +54,13 @@ class FileChange:
     action: str  # patched|reverted|unchanged|added|removed|refused|skipped
     reason: str = ""
 
+    @classmethod
+    def kept(
+        cls, path: str, data: bytes | None, state: str, action: str, reason: str
+    ) -> FileChange:
+        """A file whose bytes stay as they are (unchanged, skipped or refused)."""
+        return cls(path, data, data, state, state, action, reason)
+
     @property
     def changed(self) -> bool:
         return self.before != self.after
@@ -206,7 +213,7 @@ def _apply_one(
         analysis.refusal = state.reason
     label = _state_label(state)
     if analysis.refusal is not None:
-        return FileChange(path, before, before, label, label, "refused", analysis.refusal)
+        return FileChange.kept(path, before, label, "refused", analysis.refusal)
     after = _encode(codemod.apply(analysis))  # type: ignore[attr-defined]
     if after == before:
         return FileChange(path, before, after, label, label, "unchanged", state.describe())
@@ -250,32 +257,14 @@ def plan_apply(
     for name, codemod_class in WORKER_CODEMODS.items():
         path = codemod_class.PATH
         if name in selected and snapshot.get(path) is None:
-            files.append(
-                FileChange(
-                    path,
-                    None,
-                    None,
-                    "missing",
-                    "missing",
-                    "refused",
-                    f"this release has no {path} ({name} worker)",
-                )
-            )
+            reason = f"this release has no {path} ({name} worker)"
+            files.append(FileChange.kept(path, None, "missing", "refused", reason))
         elif name in selected:
             files.append(_apply_one(codemod_class(), analyses, recorded))
         elif snapshot.get(path) is not None:
             label = _status_one(codemod_class(), analyses).state_before
-            files.append(
-                FileChange(
-                    path,
-                    snapshot[path],
-                    snapshot[path],
-                    label,
-                    label,
-                    "skipped",
-                    f"not selected ({why})",
-                )
-            )
+            reason = f"not selected ({why})"
+            files.append(FileChange.kept(path, snapshot[path], label, "skipped", reason))
     if any(f.action == "refused" for f in files):
         files = [_as_not_written(f) for f in files]
     flags = (THRESHOLD_FLAG, str(threshold)) if threshold is not None else ()
@@ -287,15 +276,8 @@ def plan_apply(
 def _as_not_written(change: FileChange) -> FileChange:
     if change.action in ("refused", "skipped"):
         return change
-    return FileChange(
-        change.path,
-        change.before,
-        change.before,
-        change.state_before,
-        change.state_before,
-        "skipped",
-        "nothing is written while a file is refused",
-    )
+    reason = "nothing is written while a file is refused"
+    return FileChange.kept(change.path, change.before, change.state_before, "skipped", reason)
 
 
 def _revert_one(
@@ -306,32 +288,20 @@ def _revert_one(
     analysis = codemod.analyse(_text(snapshot, path))  # type: ignore[attr-defined]
     label = _state_label(analysis.state)
     if isinstance(analysis.state, Unknown):
-        return FileChange(path, before, before, label, label, "refused", analysis.state.reason)
+        return FileChange.kept(path, before, label, "refused", analysis.state.reason)
     if isinstance(analysis.state, Unpatched):
-        return FileChange(path, before, before, label, label, "unchanged", "not patched")
+        return FileChange.kept(path, before, label, "unchanged", "not patched")
     record = recorded.get(path)
     if not force and _recorded_mismatch(path, before, recorded):
-        return FileChange(
-            path,
-            before,
-            before,
-            label,
-            label,
-            "refused",
-            "changed since dynspec-patch wrote it (sha256 differs from the "
-            "manifest); --force reverts anyway",
+        reason = (
+            "changed since dynspec-patch wrote it (sha256 differs from the manifest); "
+            "--force reverts anyway"
         )
+        return FileChange.kept(path, before, label, "refused", reason)
     after = _encode(codemod.revert(analysis))  # type: ignore[attr-defined]
     if not force and record is not None and sha256_or_none(after) != record.sha256_before:
-        return FileChange(
-            path,
-            before,
-            before,
-            label,
-            label,
-            "refused",
-            "reverting would not restore the bytes recorded at apply time",
-        )
+        reason = "reverting would not restore the bytes recorded at apply time"
+        return FileChange.kept(path, before, label, "refused", reason)
     action = "removed" if after is None else "reverted"
     return FileChange(path, before, after, label, "unpatched", action, analysis.state.describe())
 
@@ -364,7 +334,7 @@ def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
     analysis = analyses.of(codemod)
     label = _state_label(analysis.state)
     reason = analysis.refusal or analysis.state.describe()
-    return FileChange(path, data, data, label, label, "unchanged", reason)
+    return FileChange.kept(path, data, label, "unchanged", reason)
 
 
 def patchable_workers(snapshot: Snapshot) -> tuple[str, ...]:
