@@ -28,6 +28,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,  # never print locals (paths, keys) in a traceback
+    rich_markup_mode=None,  # help texts contain brackets ([user@]host) that are not markup
     help="Add dynamic speculation disable (--speculative-disable-batch-threshold) to SGLang.",
 )
 # Tables and diffs are read in CI logs too: never squeeze them below 120 columns.
@@ -46,7 +47,28 @@ SglangRoot = Annotated[
     Path | None,
     typer.Option("--sglang-root", help="An sglang package dir, or a checkout with python/sglang."),
 ]
-Host = Annotated[str | None, typer.Option("--host", help="Patch this SSH host instead.")]
+Host = Annotated[
+    str | None,
+    typer.Option(
+        "--host", help="Work on this SSH host instead: [user@]host[:port] or an ssh_config alias."
+    ),
+]
+IdentityFile = Annotated[Path | None, typer.Option(help="(--host) Private key to log in with.")]
+KnownHosts = Annotated[
+    Path | None, typer.Option(help="(--host) known_hosts file (default: ~/.ssh/known_hosts).")
+]
+SshConfig = Annotated[
+    Path | None, typer.Option(help="(--host) ssh_config file (default: ~/.ssh/config).")
+]
+AcceptNewHostKey = Annotated[
+    bool,
+    typer.Option(
+        "--accept-new-host-key",
+        help="(--host) Trust and record a host key seen for the first time; a changed key is "
+        "still refused.",
+    ),
+]
+ConnectTimeout = Annotated[float, typer.Option(help="(--host) Seconds to wait for SSH.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
 
@@ -146,13 +168,32 @@ def _remote() -> Any:
 def detect_path(
     sglang_root: SglangRoot = None,
     host: Host = None,
+    identity_file: IdentityFile = None,
+    known_hosts: KnownHosts = None,
+    ssh_config: SshConfig = None,
+    accept_new_host_key: AcceptNewHostKey = False,
+    connect_timeout: ConnectTimeout = 15.0,
     pid: Annotated[int | None, typer.Option(help="The server process to read (--host).")] = None,
     port: Annotated[int | None, typer.Option(help="The server port to read (--host).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Which release is installed, which worker runs, and the patch state of every file."""
     if host is not None:
-        _render_remote(_remote().detect_path(_host_options(host), pid=pid, port=port), as_json)
+        _render_remote(
+            _remote().detect_path(
+                _host_options(
+                    host,
+                    identity_file,
+                    known_hosts,
+                    ssh_config,
+                    accept_new_host_key,
+                    connect_timeout,
+                ),
+                pid=pid,
+                port=port,
+            ),
+            as_json,
+        )
         return
     package = _package(sglang_root)
     plan = plan_status(local.read_snapshot(package))
@@ -180,6 +221,11 @@ def _recommendation(plan: Plan) -> str:
 def apply(
     sglang_root: SglangRoot = None,
     host: Host = None,
+    identity_file: IdentityFile = None,
+    known_hosts: KnownHosts = None,
+    ssh_config: SshConfig = None,
+    accept_new_host_key: AcceptNewHostKey = False,
+    connect_timeout: ConnectTimeout = 15.0,
     threshold: Annotated[
         int | None, typer.Option(help="Batch size above which to stop speculating.")
     ] = None,
@@ -204,7 +250,9 @@ def apply(
     """Patch the release (or write the native config), idempotently."""
     if host is not None:
         result = _remote().apply(
-            _host_options(host),
+            _host_options(
+                host, identity_file, known_hosts, ssh_config, accept_new_host_key, connect_timeout
+            ),
             threshold=threshold,
             worker=worker,
             dry_run=dry_run,
@@ -237,8 +285,15 @@ def apply(
 def revert(
     sglang_root: SglangRoot = None,
     host: Host = None,
+    identity_file: IdentityFile = None,
+    known_hosts: KnownHosts = None,
+    ssh_config: SshConfig = None,
+    accept_new_host_key: AcceptNewHostKey = False,
+    connect_timeout: ConnectTimeout = 15.0,
     dry_run: DryRun = False,
-    force: Annotated[bool, typer.Option(help="Revert even if a file changed since apply.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Revert even if a file changed since apply.")
+    ] = False,
     no_restart: Annotated[
         bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
     ] = False,
@@ -255,7 +310,9 @@ def revert(
     """Put every patched file back to its original bytes."""
     if host is not None:
         result = _remote().revert(
-            _host_options(host),
+            _host_options(
+                host, identity_file, known_hosts, ssh_config, accept_new_host_key, connect_timeout
+            ),
             dry_run=dry_run,
             force=force,
             no_restart=no_restart,
@@ -276,10 +333,31 @@ def revert(
 
 
 @app.command()
-def status(sglang_root: SglangRoot = None, host: Host = None, as_json: JsonFlag = False) -> None:
+def status(
+    sglang_root: SglangRoot = None,
+    host: Host = None,
+    identity_file: IdentityFile = None,
+    known_hosts: KnownHosts = None,
+    ssh_config: SshConfig = None,
+    accept_new_host_key: AcceptNewHostKey = False,
+    connect_timeout: ConnectTimeout = 15.0,
+    as_json: JsonFlag = False,
+) -> None:
     """The patch state of every file, and what the manifest recorded."""
     if host is not None:
-        _render_remote(_remote().status(_host_options(host)), as_json)
+        _render_remote(
+            _remote().status(
+                _host_options(
+                    host,
+                    identity_file,
+                    known_hosts,
+                    ssh_config,
+                    accept_new_host_key,
+                    connect_timeout,
+                )
+            ),
+            as_json,
+        )
         return
     package = _package(sglang_root)
     plan = plan_status(local.read_snapshot(package))
@@ -375,8 +453,34 @@ def fetch(
     out.print(Text(str(target)), soft_wrap=True)
 
 
-def _host_options(host: str) -> Any:
-    return _remote().HostOptions(host=host)
+def _host_options(
+    spec: str,
+    identity_file: Path | None,
+    known_hosts: Path | None,
+    ssh_config: Path | None,
+    accept_new_host_key: bool,
+    connect_timeout: float,
+) -> Any:
+    """``[user@]host[:port]`` (IPv6 as ``[addr]:port``) plus the connection options."""
+    user, _, hostport = spec.rpartition("@")
+    host, port = hostport, None
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+    elif hostport.count(":") == 1:
+        host, port = hostport.split(":")
+    if not host or (port is not None and not port.isdigit()):
+        raise UsageError(f"--host must be [user@]host[:port], got {spec!r}")
+    return _remote().HostOptions(
+        host=host,
+        port=int(port) if port else None,
+        user=user or None,
+        identity_file=str(identity_file) if identity_file else None,
+        known_hosts=str(known_hosts) if known_hosts else None,
+        ssh_config=str(ssh_config) if ssh_config else None,
+        accept_new_host_key=accept_new_host_key,
+        connect_timeout=connect_timeout,
+    )
 
 
 def _render_remote(result: dict[str, Any], as_json: bool, dry_run: bool = False) -> None:

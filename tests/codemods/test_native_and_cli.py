@@ -148,3 +148,24 @@ def test_probe_command_exit_codes(scratch, capsys):
     capsys.readouterr()
     assert run(["probe", "--sglang-root", str(info / "sglang"), "--json"]) == 1
     assert '"found": false' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("spec", "host", "port", "user"),
+    [
+        ("gpu-box-1", "gpu-box-1", None, None),
+        ("ubuntu@gpu-box-1:2222", "gpu-box-1", 2222, "ubuntu"),
+        ("[::1]:2200", "::1", 2200, None),
+        ("ops@[::1]", "::1", None, "ops"),
+    ],
+)
+def test_host_spec_is_split_into_user_host_and_port(spec, host, port, user):
+    from patcher.cli import _host_options
+
+    options = _host_options(spec, None, None, None, False, 15.0)
+    assert (options.host, options.port, options.user) == (host, port, user)
+
+
+def test_bad_host_spec_is_a_usage_error(capsys):
+    assert run(["status", "--host", "gpu:notaport"]) == 2
+    assert "--host must be [user@]host[:port]" in capsys.readouterr().err
