@@ -27,7 +27,7 @@ from typing import Any
 
 from patcher.engine import THRESHOLD_FLAG, FileChange, Plan, plan_apply, plan_revert, plan_status
 from patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
-from patcher.facts import HostFacts, ServerProcess, gather, has_flag
+from patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
 from patcher.manifest import FileRecord, Manifest, sha256_or_none
 from patcher.ssh import AgentSession, Connection, ConnectionLost, RemoteError, SshTarget
 from transforms.native_adaptive import CONFIG_FILE_NAME
@@ -367,7 +367,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
     result["plan"] = plan
     if plan.refused or dry_run:
         if server is not None:
-            result["would_run"] = desired_argv(server.argv, plan)
+            result["would_run"] = redact_argv(desired_argv(server.argv, plan))
         return result
     argv = desired_argv(server.argv, plan) if server else None
     changed = False
@@ -447,7 +447,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
     if plan.refused or dry_run:
         if argv is not None:
-            result["would_run"] = argv
+            result["would_run"] = redact_argv(argv)
         return result
     changed = bool(plan.changes)
     if changed:

@@ -161,6 +161,23 @@ def effective_from_argv(
     return values, evidence
 
 
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """argv for printing: the values of --api-key and friends become ``***``."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in REDACT_FLAGS:
+            out.append(f"{name}=***" if "=" in arg else arg)
+            hide = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
 # --------------------------------------------------------------------------- decisions
 
 
@@ -189,7 +206,7 @@ def decide_live_worker(version: str | None, effective: EffectiveArgs | None) -> 
         algo = "EAGLE"
     dos = values.get("disable_overlap_schedule")
     ev = [f"sglang {version}", f"speculative_algorithm={algo!r}",
-          f"disable_overlap_schedule={dos!r} ({src})"]
+          f"disable_overlap_schedule={dos!r} ({src})", *effective.evidence]
     if algo not in ("EAGLE", "EAGLE3", "STANDALONE"):
         return LiveWorker("none", (*ev, "no EAGLE-family speculative decoding"), src)
     if version is None:
@@ -251,22 +268,7 @@ class ServerProcess:
         )
 
     def redacted_argv(self) -> list[str]:
-        out, hide = [], False
-        for arg in self.argv:
-            if hide:
-                out.append("***")
-                hide = False
-                continue
-            name = arg.split("=", 1)[0]
-            if name in REDACT_FLAGS:
-                if "=" in arg:
-                    out.append(f"{name}=***")
-                else:
-                    out.append(arg)
-                    hide = True
-                continue
-            out.append(arg)
-        return out
+        return redact_argv(self.argv)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -419,13 +419,14 @@ def interpreter(python):
     return python.get("argv0") or exe, exe
 
 
-def find_package(python, env=None, cwd=None):
-    """Locate the sglang package the way ``python`` would, without importing it."""
+def find_package(python, env=None, cwd=None, uid=None):
+    """Locate the sglang package the way ``python`` would, without importing it (as the
+    server's own user: its environment may run code, e.g. a sitecustomize)."""
     argv0, exe = interpreter(python)
     try:
         proc = subprocess.run(
             [argv0, "-c", FIND_SPEC], executable=exe, env=env,
-            cwd=cwd if cwd and os.path.isdir(cwd) else None,
+            cwd=cwd if cwd and os.path.isdir(cwd) else None, preexec_fn=demote(uid, None),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -594,14 +595,21 @@ def op_facts(args):
         if server["server_info"]["body"] is None and server["stdout"]:
             server["log_line"] = server_args_log_line(server["stdout"])
         python = {"argv0": server["argv"][0], "exe": server["exe"]}
-        pkg, err = find_package(python, server["env"], server["cwd"])
+        pkg, err = find_package(python, server["env"], server["cwd"], server["uid"])
         if pkg is None and server["env"] is None:
             err = (err or "") + " (environment unreadable)"
     else:
-        python = {"argv0": args.get("python") or sys.executable, "exe": None}
-        pkg, err = find_package(python)
-        if pkg is not None:
-            pkg["fallback_python"] = True
+        same = {(s["argv"][0], s["exe"]) for s in (chosen or servers)}
+        if len(same) == 1 and (chosen or servers):
+            # several servers of one installation: the package is still unambiguous
+            first = (chosen or servers)[0]
+            python = {"argv0": first["argv"][0], "exe": first["exe"]}
+            pkg, err = find_package(python, first["env"], first["cwd"], first["uid"])
+        else:
+            python = {"argv0": args.get("python") or sys.executable, "exe": None}
+            pkg, err = find_package(python)
+            if pkg is not None:
+                pkg["fallback_python"] = True
     if pkg is None:
         result["errors"].append(err)
         return result
@@ -642,7 +650,7 @@ def compile_check(python, paths):
         "    compile(open(p, 'rb').read(), p, 'exec', dont_inherit=True)\n"
     )
     argv0, exe = interpreter(python)
-    proc = subprocess.run([argv0, "-I", "-c", code, *paths], executable=exe,
+    proc = subprocess.run([argv0, "-I", "-S", "-c", code, *paths], executable=exe,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=300)
     if proc.returncode != 0:
         tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from remote_harness import PLAIN_USER, tree_bytes
@@ -275,3 +276,49 @@ def test_dry_run_writes_nothing(make_host):
     assert tree_bytes(host.package) == original
     assert not host.state.exists() or not any(host.state.iterdir())
     assert srv.get("/health")[0] == 200
+
+
+def test_argv_and_env_are_the_last_fallback(make_host):
+    host = make_host("0.5.10.post1")
+    host.server(*SPEC, "--disable-overlap-schedule",
+                env={"FAKE_SGLANG_NO_INFO": "1", "FAKE_SGLANG_NO_LOG_LINE": "1",
+                     "SGLANG_ENABLE_SPEC_V2": "yes"})
+    out = rc.detect_path(host.options(), pid=None, port=None)
+    assert out["live_worker_source"] == "argv+env"
+    assert out["live_worker"] == "v2"  # 0.5.10: the env var beats the flag
+    assert any("SGLANG_ENABLE_SPEC_V2='yes'" in e for e in out["live_worker_evidence"])
+
+
+def test_sudo_agent_relaunches_the_server_as_its_own_user(make_host):
+    import pwd
+
+    host = make_host("0.5.10.post1")
+    srv = host.server(*SPEC, user=PLAIN_USER)
+    out = apply(host)  # login dsp-op, agent root through sudo -n
+    assert out["sudo"] is True
+    new_pid = out["restart"]["pid"]
+    status = Path(f"/proc/{new_pid}/status").read_text()
+    uid = int(status.split("Uid:")[1].split()[0])
+    assert uid == pwd.getpwnam(PLAIN_USER).pw_uid
+    assert srv.info()["speculative_disable_batch_threshold"] == 32
+
+
+def test_a_new_threshold_restarts_without_touching_files(make_host):
+    host = make_host("0.5.10.post1")
+    srv = host.server(*SPEC)
+    apply(host)
+    patched = tree_bytes(host.package)
+    out = apply(host, threshold=64)
+    assert out["plan"].changes == ()
+    assert out["restart"]["restarted"] is True
+    assert srv.info()["speculative_disable_batch_threshold"] == 64
+    assert srv.info()["fake_argv"].count("--speculative-disable-batch-threshold") == 1
+    assert tree_bytes(host.package) == patched
+
+
+def test_api_key_is_used_for_server_info_and_never_printed(make_host):
+    host = make_host("0.5.10.post1")
+    host.server(*SPEC, "--api-key", "s3cret-key")
+    out = apply(host, dry_run=True)
+    assert "s3cret-key" not in json.dumps({k: v for k, v in out.items() if k != "plan"})
+    assert out["live_worker_source"] == "/server_info"

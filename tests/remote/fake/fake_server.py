@@ -162,7 +162,9 @@ def main() -> None:
     if isinstance(server_args.get("cuda_graph_bs"), str):
         server_args["cuda_graph_bs"] = [int(x) for x in server_args["cuda_graph_bs"].split()]
     rendered = ", ".join(f"{k}={v!r}" for k, v in server_args.items())
-    if v >= (0, 5, 19, 0):
+    if ENV.get("FAKE_SGLANG_NO_LOG_LINE"):
+        pass
+    elif v >= (0, 5, 19, 0):
         print(f"[2026-11-29 12:00:00] server_args={server_args!r}", flush=True)
     else:
         print(f"[2026-11-29 12:00:00] server_args=ServerArgs({rendered})", flush=True)
