@@ -280,6 +280,21 @@ def status(s: Session) -> dict[str, Any]:
     }
 
 
+def precheck_writes(facts: HostFacts, server: ServerProcess | None, *, restart: bool,
+                    restart_cmd: str | None) -> None:
+    """Refuse before anything is written when we could not finish the job."""
+    if not facts.hello.get("euid") == 0 and not facts.writable:
+        raise RefusedError(
+            f"{facts.package_dir} is not writable by {facts.hello.get('user')} and sudo -n is "
+            "not available: nothing was written")
+    if restart and server is not None and not restart_cmd and (
+            server.env is None or server.cwd is None):
+        raise RefusedError(
+            f"cannot read the environment/cwd of pid {server.pid} ({server.env_error}); "
+            "restarting it without them would change how it runs: use sudo, --restart-cmd, "
+            "or --no-restart (nothing was written)")
+
+
 def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequence[FileChange],
                       *, manifest: Manifest | None, keep_manifest: bool, action: str,
                       argv: Sequence[str] | None) -> None:
@@ -370,6 +385,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
             result["would_run"] = redact_argv(desired_argv(server.argv, plan))
         return result
     argv = desired_argv(server.argv, plan) if server else None
+    precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = False
     if native_change is not None:
         assert facts.state_dir is not None
@@ -449,6 +465,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
         if argv is not None:
             result["would_run"] = redact_argv(argv)
         return result
+    precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = bool(plan.changes)
     if changed:
         base = facts.state_dir if route == "native" else package

@@ -296,6 +296,7 @@ class HostFacts:
     recovered: Mapping[str, Any] | None = None
     interrupted: bool = False
     package_from_fallback: bool = False
+    writable: bool = False
     effective: EffectiveArgs | None = None
     live: LiveWorker = field(default_factory=lambda: LiveWorker("none", (), "none"))
 
@@ -345,6 +346,7 @@ def from_agent(raw: Mapping[str, Any], hello: Mapping[str, Any]) -> HostFacts:
         errors=tuple(e for e in raw.get("errors", ()) if e),
         recovered=raw.get("recovered"), interrupted=bool(raw.get("interrupted")),
         package_from_fallback=bool(pkg.get("fallback_python")),
+        writable=bool(raw.get("writable")),
         effective=effective, live=decide_live_worker(version, effective),
     )
 

@@ -470,9 +470,13 @@ def take_lock(state):
     global _lock_fd
     if _lock_fd is not None:
         return
-    os.makedirs(state, mode=0o755, exist_ok=True)
     path = os.path.join(state, "lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(state, mode=0o755, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        raise Refused("%s is not writable by %s (and sudo -n is not available): nothing was "
+                      "written" % (os.path.dirname(state), getpass.getuser())) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -717,7 +721,8 @@ def op_commit(args):
     shutil.rmtree(undo_dir, ignore_errors=True)
     os.makedirs(undo_dir)
     meta = {"files": [], "manifest": b64(read_bytes(os.path.join(state, "manifest.json"))),
-            "pending": read_json(os.path.join(state, "restart-pending.json"))}
+            "pending": read_json(os.path.join(state, "restart-pending.json")),
+            "manifest_managed": "manifest" in args}
     backup_dir = os.path.join(state, "originals")
     for f in files:
         target = os.path.join(pkg, f["path"])
@@ -776,12 +781,14 @@ def undo(state, pkg):
         fsync_dir(os.path.dirname(target))
     manifest = unb64(meta.get("manifest"))
     mpath = os.path.join(state, "manifest.json")
-    if manifest is None:
+    if not meta.get("manifest_managed", True):
+        pass  # that commit did not touch the manifest (native config)
+    elif manifest is None:
         if os.path.exists(mpath):
             os.unlink(mpath)
     else:
         write_atomic(mpath, manifest)
-    if not any(f["existed"] and f["after_sha"] for f in meta["files"]) and manifest is None:
+    if manifest is None and meta.get("manifest_managed", True):
         shutil.rmtree(os.path.join(state, "originals"), ignore_errors=True)
     mark = os.path.join(state, "restart-pending.json")
     if meta.get("pending"):

@@ -547,7 +547,14 @@ class AgentSession:
             if nl >= 0:
                 raw = bytes(self._buf[:nl])
                 del self._buf[: nl + 1]
-                msg = json.loads(raw.decode())
+                try:
+                    msg = json.loads(raw.decode("utf-8", "replace"))
+                except ValueError:
+                    msg = None
+                if not isinstance(msg, dict):
+                    # a login shell that prints (motd, rc files) before the agent starts
+                    self._err += raw + b"\n"
+                    continue
                 if "progress" in msg:
                     if self.on_progress:
                         self.on_progress(msg["progress"])

@@ -322,3 +322,13 @@ def test_api_key_is_used_for_server_info_and_never_printed(make_host):
     out = apply(host, dry_run=True)
     assert "s3cret-key" not in json.dumps({k: v for k, v in out.items() if k != "plan"})
     assert out["live_worker_source"] == "/server_info"
+
+
+def test_login_without_sudo_on_a_root_server_is_refused_before_writing(make_host):
+    host = make_host("0.5.10.post1")
+    original = tree_bytes(host.package)
+    host.server(*SPEC)
+    with pytest.raises(RefusedError, match="nothing was written"):
+        apply(host, opts=host.options(user=PLAIN_USER))
+    assert tree_bytes(host.package) == original
+    assert not host.state.exists()

@@ -116,3 +116,9 @@ def test_restart_cmd_that_does_not_pass_the_flag_is_rolled_back(make_host):
                  restart_cmd=cmd, pid=None, port=None, health_timeout=30.0, stop_timeout=5.0)
     assert tree_bytes(host.package) == original
     assert "speculative_disable_batch_threshold" not in srv.info()
+
+
+def test_root_login_runs_the_agent_without_sudo(sshd):
+    with connect(sshd, user="root") as conn:
+        hello = conn.agent().hello
+    assert (hello["euid"], hello["sudo_user"]) == (0, None)
