@@ -86,15 +86,31 @@ def patch_tree(version: str, dest: Path) -> Path:
 _RUNS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
+class Parts:
+    """The driver's report; reading a part that raised inside the driver fails the test."""
+
+    def __init__(self, report: dict[str, Any], where: str) -> None:
+        self._report = report
+        self._where = where
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        part = self._report[name]
+        if not part.get("ok"):
+            pytest.fail(f"{self._where} {name}: {part['error']}\n{part['traceback']}")
+        return part
+
+
 @pytest.fixture(scope="session")
 def drive(tmp_path_factory: pytest.TempPathFactory):
-    """drive(release, variant) -> the driver's JSON report for that patched worker."""
+    """drive(release, variant)[part] -> that part of the driver's JSON report; a part that
+    raised inside the driver fails the test that reads it, with the driver's traceback."""
     trees: dict[str, Path] = {}
 
     def run(release: SlowRelease, variant: str) -> dict[str, Any]:
         key = (release.version, variant)
+        where = f"{release.version} {variant}"
         if key in _RUNS:
-            return _RUNS[key]
+            return Parts(_RUNS[key], where)
         if release.version not in trees:
             trees[release.version] = patch_tree(release.version, tmp_path_factory.mktemp("tree"))
         env = {
@@ -118,7 +134,7 @@ def drive(tmp_path_factory: pytest.TempPathFactory):
         if not report.get("ok"):
             pytest.fail(f"{release.version} {variant}: {report['error']}\n{report['traceback']}")
         _RUNS[key] = report
-        return report
+        return Parts(report, where)
 
     return run
 

@@ -137,6 +137,14 @@ def _root_of(spec_info: Any) -> list[int] | None:
     return None
 
 
+def _root_dtype(spec_info: Any) -> str | None:
+    for name in ("bonus_tokens", "verified_id"):
+        value = getattr(spec_info, name, None)
+        if value is not None:
+            return str(value.dtype)
+    return None
+
+
 def check_steps(variant: str, steps: int, threshold: int) -> dict[str, Any]:
     """v1: run ``steps`` decode steps through the patched entry of the real EAGLEWorker."""
     release = world.import_release(variant)
@@ -256,6 +264,97 @@ def check_at_threshold(variant: str) -> dict[str, Any]:
     }
 
 
+def _v2_stride(result: Any, worker: Any) -> int:
+    """Where the scheduler reads the output stride: the result (0.5.12.post1+) or the draft
+    worker's current attribute (older), fallback-design.md §5.2."""
+    stride = getattr(result, "speculative_num_draft_tokens", None)
+    return int(stride if stride is not None else worker.draft_worker.speculative_num_draft_tokens)
+
+
+def check_v2_steps(steps: int) -> dict[str, Any]:
+    """v2: the scheduler's prepare_for_decode + get_model_worker_batch, the patched
+    EAGLEWorkerV2 entry, then the output processing the scheduler does with its result."""
+    release = world.import_release("v2")
+    args = world.server_args(threshold=1)
+    req_to_token_pool, allocator = world.memory()
+    specs = [
+        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=3),
+        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=30),
+    ]
+    batch = world.v2_decode_batch(release, args, specs, req_to_token_pool, allocator)
+    batch_ref = [batch]
+    worker = world.v2_worker(release, args, req_to_token_pool, allocator, batch_ref)
+    report: dict[str, Any] = {"total_slots": allocator.available_size() + sum(
+        len(s.prompt) for s in specs), "steps": []}
+    for _ in range(steps):
+        batch.prepare_for_decode()  # real: over-allocation + req_to_token for the next slots
+        mwb = batch.get_model_worker_batch()
+        seq_lens_tensor = mwb.seq_lens
+        before = {
+            "seq_lens": mwb.seq_lens.tolist(),
+            "root": _root_of(mwb.spec_info),
+            "rids": [r.rid for r in batch.reqs],
+            "allocated_rows": {
+                r.rid: batch.req_to_token_pool.req_to_token[r.req_pool_idx,
+                                                            : r.kv_allocated_len].tolist()
+                for r in batch.reqs
+            },
+        }
+        batch_ref[0] = mwb
+        n_target = len(worker.target_worker.calls)
+        n_draft = len(worker.draft_worker.draft_runner.calls)
+        with CudaAsCpu():
+            result = release.worker_cls.forward_batch_generation(worker, mwb)
+        stride = _v2_stride(result, worker)
+        next_input = result.next_draft_input
+        new_seq_lens = getattr(result, "new_seq_lens", None)
+        if new_seq_lens is None:
+            new_seq_lens = next_input.new_seq_lens
+        step = {
+            "before": before,
+            "seq_lens_tensor_untouched": seq_lens_tensor.tolist() == before["seq_lens"],
+            "result_type": type(result).__name__,
+            "next_token_ids": result.next_token_ids.tolist(),
+            "accept_lens": result.accept_lens.tolist(),
+            "stride": stride,
+            "new_seq_lens": new_seq_lens.tolist(),
+            "next_root": _root_of(next_input),
+            "next_root_dtype": _root_dtype(next_input),
+            "next_topk_index": next_input.topk_index.tolist(),
+            "next_hidden": next_input.hidden_states[:, :3].tolist(),
+            "target_calls": [vars(c) for c in worker.target_worker.calls[n_target:]],
+            "draft_calls": [vars(c) for c in worker.draft_worker.draft_runner.calls[n_draft:]],
+            "graph_attr_after": repr(getattr(worker.target_worker.model_runner,
+                                             worker.target_worker.graph_attr)),
+        }
+        # The scheduler's output processing (0.5.10 _resolve_spec_overlap_token_ids and
+        # process_batch_result_decode, reduced to the token and KV bookkeeping).
+        tokens = result.next_token_ids.tolist()
+        for i, (req, accepted) in enumerate(zip(batch.reqs, step["accept_lens"], strict=True)):
+            for token in tokens[i * stride : i * stride + accepted]:
+                req.output_ids.append(token)
+                req.check_finished()
+                if req.finished():
+                    break
+            req.kv_committed_len += accepted
+        batch.seq_lens = new_seq_lens
+        batch.seq_lens_cpu = new_seq_lens.cpu()
+        batch.spec_info = next_input
+        batch.output_ids = result.next_token_ids
+        step["reqs"] = _snapshot_reqs(batch)
+        world.release_finished(batch)
+        world.call(batch.filter_batch)
+        step["rids_after_filter"] = [r.rid for r in batch.reqs]
+        step["free_after_release"] = allocator.available_size()
+        step["live_allocated"] = sum(r.kv_allocated_len for r in batch.reqs)
+        step["release_kv_cache"] = hasattr(sys.modules.get("sglang.srt.mem_cache.common"),
+                                           "release_kv_cache")
+        report["steps"].append(step)
+        if not batch.reqs:
+            break
+    return report
+
+
 CHECKS = ("wiring", "steps", "at_threshold", "all")
 
 
@@ -263,17 +362,31 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
     if check == "wiring":
         return check_wiring(variant)
     if check == "steps":
-        return check_steps(variant, steps, threshold)
+        return check_steps(variant, steps, threshold) if variant == "v1" else check_v2_steps(
+            steps)
     if check == "at_threshold":
         return check_at_threshold(variant)
-    # all: one interpreter per (release, worker) keeps the tier's run time down
-    report = {"wiring": check_wiring(variant)}
-    if variant == "v1":
-        report["steps"] = check_steps(variant, steps, threshold)
-        release = world.import_release(variant)
-        release.fallback_mod.reset_for_tests()  # a new server: the adapter resolves again
-        report["at_threshold"] = check_at_threshold(variant)
+    # all: one interpreter per (release, worker) keeps the tier's run time down; each part
+    # reports its own failure so that one broken part does not hide the others.
+    parts: dict[str, Any] = {"wiring": lambda: check_wiring(variant)}
+    if variant == "v2":
+        parts["steps"] = lambda: check_v2_steps(steps)
+    else:
+        parts["steps"] = lambda: check_steps(variant, steps, threshold)
+        parts["at_threshold"] = lambda: check_at_threshold(variant)
+    report = {}
+    for name, part in parts.items():
+        world.import_release(variant).fallback_mod.reset_for_tests()  # a fresh "server"
+        report[name] = _guarded(part)
     return report
+
+
+def _guarded(part: Any) -> dict[str, Any]:
+    try:
+        return {"ok": True, **part()}
+    except Exception as exc:  # reported to the pytest side, which fails that test
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()}
 
 
 def main() -> int:

@@ -71,8 +71,15 @@ class Release:
         return vars(self.worker_mod)[name]
 
 
+_IMPORTED: dict[str, Release] = {}
+
+
 def import_release(variant: str) -> Release:
-    """Import the patched worker module with fake CUDA, then drop the fake for execution."""
+    """Import the patched worker module with fake CUDA, then drop the fake for execution.
+
+    Once per process and variant: the reference kernels are swapped in on the first call."""
+    if variant in _IMPORTED:
+        return _IMPORTED[variant]
     gpu_stubs.fake_cuda()
     try:
         module_name = f"{SPEC}.eagle_worker" if variant == "v1" else f"{SPEC}.eagle_worker_v2"
@@ -98,6 +105,7 @@ def import_release(variant: str) -> Release:
     release.kernel_placements = ref_kernels.install()
     release.kernel_placements["single_rank_groups"] = single_rank_groups()
     gpu_stubs.forbid_stub_calls()  # from here on, a stubbed kernel call is an error
+    _IMPORTED[variant] = release
     return release
 
 
@@ -283,6 +291,8 @@ class FakeDraftRunner:
         self.is_hybrid_swa = False
         self.is_hybrid = False
         self.is_draft_worker = True
+        spec_info = importlib.import_module(f"{SPEC}.spec_info")
+        self.spec_algorithm = spec_info.SpeculativeAlgorithm.EAGLE
         self.calls: list[DraftCall] = []
 
     def forward(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -471,6 +481,7 @@ def prefilled_batch(
     batch.prefix_lens = [0] * len(specs)
     batch.extend_lens = [len(s.prompt) for s in specs]
     batch.extend_logprob_start_lens = [0] * len(specs)
+    batch.input_ids = torch.tensor([t for s in specs for t in s.prompt], dtype=torch.int64)
     sampling_mod = sys.modules["sglang.srt.sampling.sampling_batch_info"]
     batch.sampling_info = call(sampling_mod.SamplingBatchInfo.from_schedule_batch, batch,
                                toy_model.VOCAB)
@@ -578,3 +589,72 @@ class _AdaptiveControllerSpy:
             self.calls.append(name)
 
         return record
+
+
+# --------------------------------------------------------------------------------------------
+# The v2 worker (0.5.4 - 0.5.13.post1): EAGLEWorkerV2 + EagleDraftWorker
+# --------------------------------------------------------------------------------------------
+
+
+def v2_worker(release: Release, args: Any, req_to_token_pool: Any, allocator: Any,
+              batch_ref: list[Any]) -> Any:
+    """An EAGLEWorkerV2 and its EagleDraftWorker with the attributes their __init__ set."""
+    config = model_config()
+    draft_runner = FakeDraftRunner(args, req_to_token_pool, allocator, config)
+    common = {
+        "server_args": args,
+        "topk": toy_model.TOPK,
+        "speculative_num_steps": args.speculative_num_steps,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+        "device": "cpu",
+        "gpu_id": 0,
+        "tp_rank": 0,
+        "page_size": 1,
+        "req_to_token_pool": req_to_token_pool,
+        "token_to_kv_pool_allocator": allocator,
+        "plan_stream": None,
+        "plan_stream_ctx": contextlib.nullcontext(),
+        "enable_nan_detection": False,
+    }
+    draft = object.__new__(release.g("EagleDraftWorker"))
+    _set_attrs(draft, {
+        **common,
+        "draft_runner": draft_runner,
+        "cuda_graph_runner": None,
+        "cuda_graph_runner_for_draft_extend": None,
+        "draft_extend_attn_backend": None,
+        "draft_tp_context": lambda group: contextlib.nullcontext(),
+        "hot_token_id": None,
+    })
+    worker = object.__new__(release.worker_cls)
+    target = FakeTargetWorker(release, graph_attr_name(), batch_ref)
+    target.model_config = config
+    _set_attrs(worker, {**common, "_target_worker": target, "_draft_worker": draft,
+                        "model_config": config})
+    return worker
+
+
+def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
+    for name, value in attrs.items():
+        if isinstance(getattr(type(obj), name, None), property):
+            continue  # e.g. target_worker / draft_worker: properties over _target_worker
+        setattr(obj, name, value)
+
+
+def v2_decode_batch(release: Release, args: Any, specs: list[RequestSpec],
+                    req_to_token_pool: Any, allocator: Any) -> Any:
+    """A v2 (overlap) ScheduleBatch after prefill, then the scheduler's own prepare_for_decode,
+    which over-allocates KV slots ahead of each request (EagleDraftInputV2Mixin)."""
+    batch = prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    batch.enable_overlap = True
+    draft_cls = release.g("EagleDraftInput")
+    if hasattr(draft_cls, "ALLOC_LEN_PER_DECODE"):  # 0.5.5: EAGLEWorkerV2.__init__ sets it
+        draft_cls.ALLOC_LEN_PER_DECODE = max(
+            args.speculative_num_steps * toy_model.TOPK, args.speculative_num_draft_tokens
+        )
+    if "allocate_lens" in _fields(draft_cls):  # 0.5.5: the prefill allocated exactly L
+        batch.spec_info.allocate_lens = batch.seq_lens.clone()
+    for req in batch.reqs:
+        if hasattr(req, "decode_batch_idx") and req.decode_batch_idx is None:
+            req.decode_batch_idx = 0
+    return batch
