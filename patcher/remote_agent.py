@@ -273,13 +273,18 @@ def ports_of(pids):
     return sorted(ports)
 
 
-def uid_of(pid):
+def status_field(pid, name):
     raw = _read_proc(pid, "status")
     if raw:
         for line in raw.decode("utf-8", "replace").splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
+            if line.startswith(name + ":"):
+                return line.split()[1]
     return None
+
+
+def uid_of(pid):
+    value = status_field(pid, "Uid")
+    return int(value) if value is not None else None
 
 
 def find_servers():
@@ -314,7 +319,6 @@ def find_servers():
                 "pgid": st["pgid"],
                 "sid": st["sid"],
                 "uid": uid,
-                "gid": None,
                 "user": user,
                 "argv": argv,
                 "env": env,
@@ -326,6 +330,8 @@ def find_servers():
                 "host": flag_value(argv, "--host"),
                 "stdout": stdout if stdout and stdout.startswith("/") else None,
                 "tree": tree,
+                "gid": int(status_field(pid, "Gid") or -1),
+                "sig_ign": status_field(pid, "SigIgn"),
             }
         )
     return servers
@@ -887,13 +893,25 @@ def wait_gpu_free(pids, timeout):
     return "still held after %ds" % timeout
 
 
-def demote(uid, gid):
+def demote(uid, gid, sig_ign=None):
     def _fn():
+        if sig_ign is not None:
+            # the same ignored signals as the original (e.g. nohup's SIGHUP), the rest default
+            mask = int(sig_ign, 16)
+            for signum in range(1, 32):
+                if signum in (signal.SIGKILL, signal.SIGSTOP):
+                    continue
+                try:
+                    signal.signal(signum, signal.SIG_IGN if mask >> (signum - 1) & 1
+                                  else signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
         if os.geteuid() == 0 and uid is not None and uid != 0:
+            gid_ = None if gid in (None, -1) else gid
             try:
                 user = pwd.getpwuid(uid)
-                os.initgroups(user.pw_name, gid if gid is not None else user.pw_gid)
-                os.setgid(gid if gid is not None else user.pw_gid)
+                os.initgroups(user.pw_name, gid_ if gid_ is not None else user.pw_gid)
+                os.setgid(gid_ if gid_ is not None else user.pw_gid)
             except KeyError:
                 pass
             os.setuid(uid)
@@ -913,7 +931,8 @@ def launch(spec, log_path):
         proc = subprocess.Popen(
             spec["argv"], executable=exe, cwd=spec.get("cwd") or "/", env=spec.get("env"),
             stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True, preexec_fn=demote(uid, spec.get("gid")),
+            start_new_session=True, close_fds=True,
+            preexec_fn=demote(uid, spec.get("gid"), spec.get("sig_ign") or "0"),
         )
     finally:
         os.close(fd)

@@ -43,6 +43,11 @@ def wait_lock_free(state: Path, timeout: float = 60) -> None:
     raise AssertionError("the remote agent never released the lock")
 
 
+def sig_ign(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return status.split("SigIgn:")[1].split()[0]
+
+
 def no_debris(host) -> list[str]:
     return [str(p) for p in host.package.rglob("*.dynspec-*.tmp")]
 
@@ -142,8 +147,10 @@ def test_relaunch_keeps_hostile_argv_env_and_cwd(make_host):
     host = make_host("0.5.10.post1")
     srv = host.server(*SPEC, "--served-model-name", "it's \"quoted\" $(touch pwned) `x`")
     before = srv.info()
+    ignored_before = sig_ign(srv.pid)
     out = apply(host)
     after = srv.info()
+    assert sig_ign(after["fake_pid"]) == ignored_before  # no SIGHUP-ignore leaks from the agent
     assert after["fake_pid"] == out["restart"]["pid"] != before["fake_pid"]
     assert after["fake_cwd"] == before["fake_cwd"] == str(srv.cwd)
     assert after["fake_env_tag"] == "a;b $(x) 'q'"
