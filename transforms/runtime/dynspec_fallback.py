@@ -761,6 +761,14 @@ def _target_decode(adapter: Adapter, worker_batch: Any, target_worker: Any) -> t
     return out.logits_output, bool(out.can_run_cuda_graph)
 
 
+def _has_grammar(batch: Any) -> bool:
+    """Whether any request is grammar-constrained (0.5.5's ModelWorkerBatch has no flag)."""
+    flag = getattr(batch, "has_grammar", None)
+    if flag is not None:
+        return bool(flag)
+    return any(g is not None for g in getattr(batch.sampling_info, "grammars", None) or ())
+
+
 def _is_pure_decode(batch: Any) -> bool:
     mode = batch.forward_mode
     return bool(mode.is_decode()) and not getattr(batch, "is_extend_in_batch", False)
@@ -786,7 +794,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     adapter = _adapter_for(worker, "v1")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
         return None
-    if batch.has_grammar and not adapter.grammar:
+    if _has_grammar(batch) and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
         return None
@@ -828,7 +836,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
     vocab_mask = None
     target_worker = worker.target_worker
     logits_output, can_run_graph = _target_decode(adapter, mwb, target_worker)
-    if batch.has_grammar:
+    if _has_grammar(batch):
         vocab_mask = _grammar_mask(adapter, batch, vi, root.device)
 
     # (e) SGLang's own bookkeeping: sample, append, finish, grammar, KV accounting, seq_lens
@@ -892,7 +900,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     adapter = _adapter_for(worker, "v2")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
         return None
-    if batch.has_grammar and not adapter.grammar:
+    if _has_grammar(batch) and not adapter.grammar:
         return None
     stride = int(worker.speculative_num_draft_tokens)
     if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
@@ -949,7 +957,8 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
     sample_args = [batch, logits_output]
     if names["sample_vocab_mask"] is not None:
-        sample_args.append(_grammar_mask(adapter, batch, vi, device) if batch.has_grammar else None)
+        mask = _grammar_mask(adapter, batch, vi, device) if _has_grammar(batch) else None
+        sample_args.append(mask)
     predict, accept_lens, _ = vi.sample(*sample_args)
 
     # 3) pad back to the stride the scheduler and the draft-extend graph read
