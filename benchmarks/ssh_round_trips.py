@@ -136,6 +136,7 @@ def main() -> int:
     finally:
         harness.kill_matching(str(base))
         sshd.stop()
+        harness.remove_test_accounts()
         shutil.rmtree(base, ignore_errors=True)
 
 

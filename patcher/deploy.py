@@ -217,12 +217,15 @@ def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
         "restart_pending": facts.pending,
         "recovered_interrupted_commit": facts.recovered,
         "interrupted_commit": facts.interrupted,
+        "run_in_progress": facts.busy,
     }
 
 
 def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
     if plan.route == "unsupported":
         return "none: this release cannot be patched (" + plan.reason + ")"
+    if facts.busy:
+        return f"another dynspec-patch run is in progress ({facts.busy}); wait for it"
     if facts.interrupted:
         return "a commit was interrupted: run apply or revert to finish it (both recover first)"
     if plan.route == "native":

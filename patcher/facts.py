@@ -297,6 +297,7 @@ class HostFacts:
     interrupted: bool = False
     package_from_fallback: bool = False
     writable: bool = False
+    busy: str | None = None
     effective: EffectiveArgs | None = None
     live: LiveWorker = field(default_factory=lambda: LiveWorker("none", (), "none"))
 
@@ -347,6 +348,7 @@ def from_agent(raw: Mapping[str, Any], hello: Mapping[str, Any]) -> HostFacts:
         recovered=raw.get("recovered"), interrupted=bool(raw.get("interrupted")),
         package_from_fallback=bool(pkg.get("fallback_python")),
         writable=bool(raw.get("writable")),
+        busy=raw.get("busy"),
         effective=effective, live=decide_live_worker(version, effective),
     )
 

@@ -500,6 +500,23 @@ def take_lock(state):
     _lock_fd = fd
 
 
+def lock_holder(state):
+    """Who holds ``<state>/lock`` right now (None if nobody); probes without keeping it."""
+    path = os.path.join(state, "lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except OSError:
+        return os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown holder"
+    finally:
+        os.close(fd)
+
+
 def read_json(path):
     data = read_bytes(path)
     if data is None:
@@ -632,8 +649,10 @@ def op_facts(args):
     if args.get("lock"):
         take_lock(state)
         result["recovered"] = recover_journal(state, pkg_dir)
-    elif os.path.exists(os.path.join(state, "journal.json")):
-        result["interrupted"] = True
+    else:
+        result["busy"] = lock_holder(state)
+        if result["busy"] is None and os.path.exists(os.path.join(state, "journal.json")):
+            result["interrupted"] = True
     snapshot = {}
     for rel in args.get("paths", []):
         snapshot[rel] = b64(read_bytes(os.path.join(pkg_dir, rel)))

@@ -33,6 +33,8 @@ def sshd(remote_base: Path) -> Iterator[Sshd]:
     server = harness.start_sshd(remote_base / "sshd")
     yield server
     server.stop()
+    harness.kill_matching(str(remote_base))
+    harness.remove_test_accounts()
 
 
 @pytest.fixture(scope="session")

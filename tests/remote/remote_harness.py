@@ -38,6 +38,13 @@ def sh(*cmd: str, **kw: object) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
 
 
+def remove_test_accounts() -> None:
+    """Undo ``ensure_user``: no passwordless-sudo test account outlives the session."""
+    for name in (OP_USER, PLAIN_USER):
+        Path(f"/etc/sudoers.d/dynspec-test-{name}").unlink(missing_ok=True)
+        subprocess.run(["userdel", "-r", name], capture_output=True, check=False)
+
+
 def ensure_user(name: str, sudo: bool) -> None:
     try:
         sh("id", "-u", name)

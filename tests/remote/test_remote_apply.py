@@ -178,6 +178,7 @@ def test_concurrent_apply_is_refused(make_host):
         with pytest.raises(RefusedError, match="holds"):
             apply(host)
         assert tree_bytes(host.package) == before
+        assert "pid" in rc.status(host.options())["run_in_progress"]
     # the lock dies with its holder: the next run goes through
     assert apply(host, no_restart=True)["restart"].startswith("pending")
 
