@@ -57,7 +57,7 @@ def test_greedy_tokens_are_the_targets_argmax(v1_case, drive, toy):
     for step in _steps(drive, v1_case):
         before = step["before"]
         expected = {
-            rid: toy.next_token(root, length)
+            rid: toy.next_token(root)
             for rid, root, length in zip(before["rids"], before["root"], before["seq_lens"],
                                          strict=True)
         }
@@ -123,7 +123,7 @@ def test_next_draft_state_is_fresh_and_only_for_unfinished(v1_case, drive, toy):
         assert step["forward_mode_after"] == "DECODE"
         assert step["spec_root_after"] == [new[rid] for rid in live]
         assert step["topk_index_after"] == [
-            [toy.draft_next_token(new[rid], lengths[rid])] for rid in live
+            [toy.draft_next_token(new[rid])] for rid in live
         ]
         assert step["hidden_after"] == [[new[rid], lengths[rid], DRAFT_TAG] for rid in live]
         # after the scheduler's filter the draft state still lines up with the requests
@@ -168,3 +168,33 @@ def test_batch_at_threshold_runs_the_real_speculative_path(v1_case, drive):
     assert report["draft_batch_sizes"] == [report["threshold"]]
     assert report["target_calls"] == 0
     assert report["controller_spec_steps"] == 1
+
+
+def test_speculation_resumes_from_the_state_the_fallback_left(v1_case, drive, toy):
+    """T=2: three requests run fallback steps; when two have finished (bs 1 <= resume_below
+    1, after the dwell) the worker's REAL speculative path runs: multi-step draft from the
+    fallback's draft state, tree built (reference kernel), TARGET_VERIFY, verify, draft-extend
+    with real accept lengths. Its accepted drafts must be exactly what the toy draft gets right
+    from the root the fallback left, and the output must stay the greedy sequence."""
+    release, variant = v1_case
+    report = drive(release, variant)["cycle"]
+    steps = report["steps"]
+    modes = [s["mode"] for s in steps]
+    first_spec = modes.index("TARGET_VERIFY")
+    assert set(modes[:first_spec]) == {"DECODE"} and first_spec >= 8  # the dwell
+    assert set(modes[first_spec:]) == {"TARGET_VERIFY"}
+    assert steps[first_spec]["before"]["rids"] == ["r2"]
+    assert report["controller"] == {"fallback_steps": first_spec,
+                                    "spec_steps": len(steps) - first_spec, "switches": 2}
+    for step in steps[first_spec:]:
+        (root,) = step["before"]["root"]
+        accepted = toy.accepted_drafts(root, report["num_steps"])
+        assert step["emitted"]["r2"] == toy.greedy_continuation(root, accepted + 1)
+        count = step["result"].get("count", step["result"].get(
+            "num_accepted_tokens", step["result"].get("num_correct_drafts")))
+        assert count == accepted
+    # the whole stream of the surviving request is the plain greedy sequence
+    r2 = report["final_outputs"]["r2"]
+    assert r2 == [33, *toy.greedy_continuation(33, len(r2) - 1)]
+    assert all(s["free_plus_live"] == report["total_slots"] for s in steps)
+    assert any(len(s["emitted"]["r2"]) > 1 for s in steps[first_spec:])  # drafts accepted

@@ -52,7 +52,7 @@ def test_outputs_padded_to_the_stride_the_scheduler_reads(v2_case, drive, toy):
         before = step["before"]
         n = step["stride"]
         assert n == NUM_DRAFT_TOKENS
-        expected = [toy.next_token(root, length)
+        expected = [toy.next_token(root)
                     for root, length in zip(before["root"], before["seq_lens"], strict=True)]
         padded = [0] * (len(expected) * n)
         padded[::n] = expected
@@ -66,14 +66,11 @@ def test_outputs_padded_to_the_stride_the_scheduler_reads(v2_case, drive, toy):
 def test_next_draft_input_for_the_future_map(v2_case, drive, toy):
     for step in _steps(drive, v2_case):
         before = step["before"]
-        new = [toy.next_token(root, length)
+        new = [toy.next_token(root)
                for root, length in zip(before["root"], before["seq_lens"], strict=True)]
         assert step["next_root"] == new
         assert step["next_root_dtype"] == "torch.int32"
-        assert step["next_topk_index"] == [
-            [toy.draft_next_token(t, length)] for t, length in zip(new, before["seq_lens"],
-                                                                   strict=True)
-        ]
+        assert step["next_topk_index"] == [[toy.draft_next_token(t)] for t in new]
         assert step["next_hidden"] == [
             [t, length, DRAFT_TAG] for t, length in zip(new, before["seq_lens"], strict=True)
         ]

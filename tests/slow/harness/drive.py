@@ -21,8 +21,10 @@ import json
 import sys
 import textwrap
 import traceback
+from types import SimpleNamespace
 from typing import Any
 
+import torch
 import world
 from cpu_device import CudaAsCpu
 
@@ -342,8 +344,16 @@ def check_v2_steps(steps: int) -> dict[str, Any]:
         batch.spec_info = next_input
         batch.output_ids = result.next_token_ids
         step["reqs"] = _snapshot_reqs(batch)
+        # The real v2 scheduler holds the draft input behind FutureMap indices: filter_batch
+        # selects those (0.5.5: and allocate_lens) by index, and the next step resolves the
+        # tensors through them. Do the same with identity indices.
+        n = len(step["accept_lens"])
+        next_input.future_indices = SimpleNamespace(indices=torch.arange(n))
         world.release_finished(batch)
         world.call(batch.filter_batch)
+        kept = next_input.future_indices.indices
+        next_input.future_indices = None
+        batch.spec_info = world.select_rows(next_input, kept.tolist(), n)
         step["rids_after_filter"] = [r.rid for r in batch.reqs]
         step["free_after_release"] = allocator.available_size()
         step["live_allocated"] = sum(r.kv_allocated_len for r in batch.reqs)
@@ -355,7 +365,60 @@ def check_v2_steps(steps: int) -> dict[str, Any]:
     return report
 
 
-CHECKS = ("wiring", "steps", "at_threshold", "all")
+def check_cycle(max_steps: int = 24) -> dict[str, Any]:
+    """v1 at T=2 (resume at bs <= 1): fallback steps while three requests run, then two finish
+    and the worker's REAL speculative path takes over from the state the fallback left."""
+    release = world.import_release("v1")
+    args = world.server_args(threshold=2)
+    req_to_token_pool, allocator = world.memory()
+    specs = [
+        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=10),
+        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=11),
+        world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=60),
+    ]
+    batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    batch_ref = [batch]
+    worker = world.v1_worker(release, args, req_to_token_pool, allocator, batch_ref)
+    entry = getattr(release.worker_cls, entry_name(release))
+    total = allocator.available_size() + sum(len(s.prompt) for s in specs)
+    steps = []
+    for _ in range(max_steps):
+        if not batch.reqs:
+            break
+        n_target = len(worker.target_worker.calls)
+        before = {"rids": [r.rid for r in batch.reqs], "root": _root_of(batch.spec_info),
+                  "outputs": {r.rid: len(r.output_ids) for r in batch.reqs}}
+        with CudaAsCpu():
+            result = entry(worker, batch)
+        calls = worker.target_worker.calls[n_target:]
+        emitted = {r.rid: list(r.output_ids)[before["outputs"][r.rid]:] for r in batch.reqs}
+        steps.append({
+            "before": before,
+            "mode": calls[0].forward_mode if calls else None,
+            "target_positions": calls[0].positions if calls else None,
+            "target_inputs": calls[0].input_ids if calls else None,
+            "emitted": emitted,
+            "result": _result_summary(result),
+            "root_after": _root_of(batch.spec_info),
+        })
+        world.release_finished(batch)
+        world.call(batch.filter_batch, v1_spec_info_filtered=True)
+        steps[-1]["free_plus_live"] = allocator.available_size() + (
+            sum(batch.seq_lens.tolist()) if batch.reqs else 0)
+    adapter = release.fallback_mod._adapters.get(release.worker_cls)
+    controller = adapter.controller
+    return {
+        "total_slots": total,
+        "num_steps": args.speculative_num_steps,
+        "steps": steps,
+        "final_outputs": {r.rid: list(r.output_ids) for r in batch.reqs},
+        "controller": {"fallback_steps": controller.n_fallback_steps,
+                       "spec_steps": controller.n_spec_steps,
+                       "switches": controller.n_switches},
+    }
+
+
+CHECKS = ("wiring", "steps", "at_threshold", "cycle", "all")
 
 
 def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
@@ -366,6 +429,8 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
             steps)
     if check == "at_threshold":
         return check_at_threshold(variant)
+    if check == "cycle":
+        return check_cycle()
     # all: one interpreter per (release, worker) keeps the tier's run time down; each part
     # reports its own failure so that one broken part does not hide the others.
     parts: dict[str, Any] = {"wiring": lambda: check_wiring(variant)}
@@ -374,6 +439,7 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
     else:
         parts["steps"] = lambda: check_steps(variant, steps, threshold)
         parts["at_threshold"] = lambda: check_at_threshold(variant)
+        parts["cycle"] = check_cycle
     report = {}
     for name, part in parts.items():
         world.import_release(variant).fallback_mod.reset_for_tests()  # a fresh "server"

@@ -19,6 +19,26 @@ from typing import Any
 import torch
 
 
+class NamedGridKernel:
+    """A Triton kernel whose parameters changed between releases: bind the call's positional
+    arguments to the ORIGINAL kernel's parameter names, and call ``fn(grid, **named)``."""
+
+    def __init__(self, fn: Callable[..., None], arg_names: list[str]) -> None:
+        self.fn = fn
+        self.arg_names = list(arg_names)
+        self.__name__ = fn.__name__
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        grid = grid if isinstance(grid, tuple) else (grid,)
+
+        def launch(*args: Any, **kwargs: Any) -> None:
+            named = dict(zip(self.arg_names, args, strict=False))
+            named.update(kwargs)
+            self.fn(grid, **named)
+
+        return launch
+
+
 class GridKernel:
     """Mimics a Triton kernel object: ``kernel[grid](*args)`` calls ``fn(grid, *args)``."""
 
@@ -223,6 +243,47 @@ def _compute_position_kernel(
         start += length
 
 
+def _assign_draft_cache_locs(grid: tuple[int, ...], **a: Any) -> None:
+    """Page size 1 or topk 1: req_to_token[pool[i], L_i : L_i + topk*steps] = that request's
+    topk*steps entries of out_cache_loc (the draft's temporary slots)."""
+    if int(a.get("page_size", 1)) != 1 and int(a["topk"]) != 1:
+        raise NotImplementedError("the CPU reference covers page_size 1 or topk 1")
+    span = int(a["topk"]) * int(a["speculative_num_steps"])
+    for i in range(grid[0]):
+        start = int(a["seq_lens"][i])
+        row = int(a["req_pool_indices"][i])
+        a["req_to_token"][row, start : start + span] = a["out_cache_loc"][
+            i * span : (i + 1) * span].to(a["req_to_token"].dtype)
+
+
+def build_tree_kernel_efficient(
+    parent_list: torch.Tensor,
+    selected_index: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    topk: int,
+    depth: int,
+    draft_token_num: int,
+    *_: Any,
+) -> None:
+    """sgl-kernel build_tree_kernel_efficient for topk = 1: each tree is a chain
+    root -> d1 -> ... ; node j sits at depth j. The mask is left all-True as allocated (it
+    only feeds the attention kernels, which do not run here)."""
+    if topk != 1:
+        raise NotImplementedError("the CPU reference covers topk = 1 (chains) only")
+    for b in range(verified_seq_len.shape[0]):
+        length = int(verified_seq_len[b])
+        for j in range(draft_token_num):
+            positions[b * draft_token_num + j] = length + j
+            retrive_index[b, j] = b * draft_token_num + j
+            retrive_next_token[b, j] = j + 1 if j + 1 < draft_token_num else -1
+            retrive_next_sibling[b, j] = -1
+
+
 assign_req_to_token_pool = GridKernel(_assign_req_to_token_pool)
 compute_position_kernel = GridKernel(_compute_position_kernel)
 create_extend_spec_info = GridKernel(_create_extend_spec_info)
@@ -248,6 +309,12 @@ SGL_KERNEL_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "top_k_renorm_prob": top_k_renorm_prob,
     "top_p_renorm_prob": top_p_renorm_prob,
     "fast_topk": fast_topk,
+    "build_tree_kernel_efficient": build_tree_kernel_efficient,
+}
+
+# Triton kernels whose parameter list drifted: bound by the original's parameter names.
+NAMED_TRITON_KERNELS: dict[str, Callable[..., None]] = {
+    "assign_draft_cache_locs": _assign_draft_cache_locs,
 }
 
 
@@ -271,6 +338,12 @@ def install() -> dict[str, list[str]]:
         for home in TRITON_HOMES:
             original = getattr(sys.modules.get(home), name, None)
             if original is not None and original is not kernel:
+                placed.setdefault(name, []).extend(_replace_everywhere(original, kernel))
+    for name, fn in NAMED_TRITON_KERNELS.items():
+        for home in TRITON_HOMES:
+            original = getattr(sys.modules.get(home), name, None)
+            if original is not None and not isinstance(original, NamedGridKernel):
+                kernel = NamedGridKernel(fn, original.arg_names)
                 placed.setdefault(name, []).extend(_replace_everywhere(original, kernel))
     stub = sys.modules.get("sgl_kernel")
     if stub is not None:

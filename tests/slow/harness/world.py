@@ -172,11 +172,11 @@ def server_args(threshold: int | None, **overrides: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def toy_logits(tokens: torch.Tensor, positions: torch.Tensor, guess: Any) -> torch.Tensor:
-    """Logits whose argmax is ``guess(token, position)``, with a clear margin."""
+def toy_logits(tokens: torch.Tensor, guess: Any) -> torch.Tensor:
+    """Logits whose argmax is ``guess(token)``, with a clear margin."""
     logits = torch.zeros((tokens.shape[0], toy_model.VOCAB), dtype=torch.float32)
-    for row, (tok, pos) in enumerate(zip(tokens.tolist(), positions.tolist(), strict=True)):
-        logits[row, guess(int(tok), int(pos))] = 10.0
+    for row, tok in enumerate(tokens.tolist()):
+        logits[row, guess(int(tok))] = 10.0
     return logits
 
 
@@ -212,6 +212,7 @@ class TargetCall:
     input_dtype: str
     seq_lens: list[int]
     seq_lens_is_batch_tensor: bool
+    positions: list[int]
     out_cache_loc: list[int]
     graph_attr_during_call: str
     kwargs: dict[str, Any]
@@ -223,7 +224,11 @@ class FakeTargetWorker:
     def __init__(self, release: Release, graph_attr: str, batch_ref: list[Any]) -> None:
         tp_worker = sys.modules["sglang.srt.managers.tp_worker"].TpModelWorker
         real = tp_worker.forward_batch_generation
-        self.model_runner = SimpleNamespace(**{graph_attr: GraphRunnerSentinel()})
+        # A plain (non-hybrid) target: the hybrid configs are None, as in a Llama server.
+        self.model_runner = SimpleNamespace(
+            **{graph_attr: GraphRunnerSentinel()},
+            hybrid_gdn_config=None, mamba2_config=None, hybrid_lightning_config=None,
+        )
         self.graph_attr = graph_attr
         self.calls: list[TargetCall] = []
         self._release = release
@@ -239,7 +244,10 @@ class FakeTargetWorker:
 
     def _forward(self, mwb: Any, kwargs: dict[str, Any]) -> Any:
         batch = self._batch_ref[0]
-        positions = mwb.seq_lens.to(torch.int64) - 1  # DECODE: clamp_position(seq_lens)
+        if mwb.forward_mode.name == "TARGET_VERIFY":  # a speculative step: the tree's positions
+            positions = mwb.spec_info.positions.to(torch.int64)
+        else:  # DECODE: what ForwardBatch.init_new computes, clamp_position(seq_lens)
+            positions = mwb.seq_lens.to(torch.int64) - 1
         self.calls.append(
             TargetCall(
                 forward_mode=str(mwb.forward_mode.name),
@@ -249,12 +257,13 @@ class FakeTargetWorker:
                 input_dtype=str(mwb.input_ids.dtype),
                 seq_lens=mwb.seq_lens.tolist(),
                 seq_lens_is_batch_tensor=mwb.seq_lens is batch.seq_lens,
+                positions=positions.tolist(),
                 out_cache_loc=mwb.out_cache_loc.tolist(),
                 graph_attr_during_call=repr(getattr(self.model_runner, self.graph_attr)),
                 kwargs={k: repr(v) for k, v in kwargs.items()},
             )
         )
-        logits = toy_logits(mwb.input_ids, positions, toy_model.next_token)
+        logits = toy_logits(mwb.input_ids, toy_model.next_token)
         hidden = toy_hidden(mwb.input_ids, positions, TARGET_TAG)
         logits_cls = sys.modules["sglang.srt.layers.logits_processor"].LogitsProcessorOutput
         out = construct(logits_cls, next_token_logits=logits, hidden_states=hidden)
@@ -291,6 +300,10 @@ class FakeDraftRunner:
         self.is_hybrid_swa = False
         self.is_hybrid = False
         self.is_draft_worker = True
+        # 0.4.6's multi-step draft calls the model directly: model.forward(ids, positions, fb).
+        self.model = SimpleNamespace(
+            forward=lambda input_ids, positions, forward_batch: self.forward(forward_batch)[0]
+        )
         spec_info = importlib.import_module(f"{SPEC}.spec_info")
         self.spec_algorithm = spec_info.SpeculativeAlgorithm.EAGLE
         self.calls: list[DraftCall] = []
@@ -309,8 +322,13 @@ class FakeDraftRunner:
                 seq_lens=forward_batch.seq_lens.tolist(),
             )
         )
-        logits = toy_logits(forward_batch.input_ids, positions, toy_model.draft_next_token)
+        logits = toy_logits(forward_batch.input_ids, toy_model.draft_next_token)
         hidden = toy_hidden(forward_batch.input_ids, positions, DRAFT_TAG)
+        if forward_batch.forward_mode.name == "DRAFT_EXTEND":
+            # The logits processor keeps the last token of each request in an extend (v1
+            # draft-extend after decode; DRAFT_EXTEND_V2 keeps every token instead).
+            last = torch.cumsum(torch.as_tensor(forward_batch.extend_seq_lens), 0) - 1
+            logits, hidden = logits[last], hidden[last]
         logits_cls = sys.modules["sglang.srt.layers.logits_processor"].LogitsProcessorOutput
         out = construct(logits_cls, next_token_logits=logits, hidden_states=hidden)
         return ForwardOutput((out, False))
@@ -500,8 +518,7 @@ def draft_state_after_prefill(release: Release, specs: list[RequestSpec]) -> Any
     hidden = toy_hidden(firsts, positions, DRAFT_TAG)
     topk_p = torch.ones((n, toy_model.TOPK), dtype=torch.float32)
     topk_index = torch.tensor(
-        [[toy_model.draft_next_token(s.first_token, len(s.prompt))] for s in specs],
-        dtype=torch.int64,
+        [[toy_model.draft_next_token(s.first_token)] for s in specs], dtype=torch.int64
     )
     return construct(
         release.g("EagleDraftInput"),
@@ -510,6 +527,16 @@ def draft_state_after_prefill(release: Release, specs: list[RequestSpec]) -> Any
         topk_index=topk_index,
         **{root_field: firsts},
     )
+
+
+def select_rows(draft_input: Any, keep: list[int], batch_size: int) -> Any:
+    """Keep rows ``keep`` of every per-request tensor of a draft input (FutureMap semantics)."""
+    index = torch.tensor(keep, dtype=torch.int64)
+    for f in dataclasses.fields(draft_input):
+        value = getattr(draft_input, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size:
+            setattr(draft_input, f.name, value[index])
+    return draft_input
 
 
 def _fields(cls: Any) -> set[str]:
@@ -557,7 +584,15 @@ def v1_worker(release: Release, args: Any, req_to_token_pool: Any, allocator: An
         "cuda_graph_runner": None,
         "cuda_graph_runner_for_draft_extend": None,
         "draft_extend_attn_backend": None,  # 0.5.12.post1: None means the runner's backend
+        # The multi-step draft's attention backends: metadata only feeds attention kernels.
+        "draft_attn_backend": SimpleNamespace(
+            init_forward_metadata=lambda forward_batch: None,
+            attn_backends=[SimpleNamespace(name=f"draft-step-{i}")
+                           for i in range(args.speculative_num_steps)],
+        ),
         "hot_token_id": None,
+        "extend_lens": None,  # paged top-k draft bookkeeping; None at page_size 1
+        "num_new_pages_per_topk": None,
         "eagle_use_aux_hidden_state": False,
         "draft_tp_context": lambda group: contextlib.nullcontext(),
         "adaptive_controller": _AdaptiveControllerSpy(),
