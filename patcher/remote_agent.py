@@ -972,18 +972,20 @@ def gate(proc, host, port, api_key, timeout, log_path):
         if proc is not None and proc.poll() is not None:
             raise Refused("server exited with status %s during start-up: %s" % (
                 proc.returncode, log_tail(log_path)))
+        budget = max(1.0, deadline - time.time())
         if step == "health":
-            status, body = http_get(host, port, "/health", api_key, timeout=10)
+            status, body = http_get(host, port, "/health", api_key, timeout=min(10, budget))
             if status == 200:
                 step = "generate"
                 progress("health ok; checking a tiny generation")
                 continue
         else:
-            status, body = http_get(host, port, "/health_generate", api_key, timeout=60)
+            status, body = http_get(host, port, "/health_generate", api_key,
+                                    timeout=min(60, budget))
             if status == 404:
                 payload = json.dumps({"text": "ping", "sampling_params": {"max_new_tokens": 1}})
-                status, body = http_get(host, port, "/generate", api_key, timeout=60,
-                                        data=payload.encode())
+                status, body = http_get(host, port, "/generate", api_key,
+                                        timeout=min(60, budget), data=payload.encode())
             if status == 200:
                 return
         last = "%s -> %s %s" % (step, status, body[:120].decode("utf-8", "replace"))
