@@ -333,3 +333,23 @@ def test_login_without_sudo_on_a_root_server_is_refused_before_writing(make_host
         apply(host, opts=host.options(user=PLAIN_USER))
     assert tree_bytes(host.package) == original
     assert not host.state.exists()
+
+
+def test_sglang_serve_entrypoint_is_found_and_relaunched(make_host):
+    host = make_host("0.5.10.post1")
+    script = host.venv / "bin" / "sglang"
+    script.write_text("import runpy, sys\n"
+                      "assert sys.argv[1] == 'serve'\n"
+                      "sys.argv = [sys.argv[0], *sys.argv[2:]]\n"
+                      "runpy.run_module('sglang.launch_server', run_name='__main__')\n")
+    srv = host.server(*SPEC, start=False)
+    srv.argv = [srv.argv[0], str(script), "serve", *srv.argv[3:]]
+    srv.start()
+    srv.wait_healthy()
+    out = apply(host)
+    assert out["server_pid"] == srv.pid
+    assert out["restart"]["restarted"] is True
+    info = srv.info()
+    assert info["speculative_disable_batch_threshold"] == 32
+    new_argv = Path(f"/proc/{info['fake_pid']}/cmdline").read_bytes().split(b"\0")
+    assert new_argv[1:3] == [str(script).encode(), b"serve"]
