@@ -348,7 +348,8 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
     except (RemoteError, ConnectionLost, ValueError):
         verified = None
     return {"restarted": True, "pid": answer.get("pid"), "log": answer.get("log"),
-            "proof": answer.get("proof"), "verified_through_ssh_tunnel": verified}
+            "proof": answer.get("proof"), "gpu_memory": answer.get("gpu"),
+            "verified_through_ssh_tunnel": verified}
 
 
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,

@@ -893,8 +893,11 @@ def wait_port_closed(port, timeout):
     return False
 
 
-def wait_gpu_free(pids, timeout):
-    smi = shutil.which("nvidia-smi")
+def wait_gpu_free(pids, timeout, env=None):
+    """Wait until none of ``pids`` holds GPU memory (``nvidia-smi`` on the agent's PATH or the
+    server's)."""
+    search = os.pathsep.join(p for p in ((env or {}).get("PATH"), os.environ.get("PATH")) if p)
+    smi = shutil.which("nvidia-smi", path=search or None)
     if not smi:
         return "no nvidia-smi"
     deadline = time.time() + timeout
@@ -1046,20 +1049,24 @@ def start_and_check(spec, server, args, log_path, expect):
         gate(None, host, port, api_key, args["health_timeout"], log_path)
         new = find_by_port(port, 30)
         pid = new["pid"] if new else None
+        gpu = "not checked (restart command)"
     else:
         stop = stop_tree(server, args.get("stop_timeout", 60))
         how = "KILL needed" if stop.get("killed") else "TERM"
         progress("stopped pid %d (%s)" % (server["pid"], how))
         if not wait_port_closed(port, args.get("port_timeout", 120)):
             raise Refused("port %d still in use after the server stopped" % port)
-        wait_gpu_free(stop.get("stopped", []), args.get("gpu_timeout", 300))
+        gpu = wait_gpu_free(stop.get("stopped", []), args.get("gpu_timeout", 300),
+                            server.get("env"))
+        if gpu.startswith("still held"):
+            raise Refused("GPU memory of the old server is %s" % gpu)
         proc = launch(spec, log_path)
         progress("launched pid %d; waiting for health (timeout %ds)"
                  % (proc.pid, args["health_timeout"]))
         gate(proc, host, port, api_key, args["health_timeout"], log_path)
         pid = proc.pid
     proof = prove(host, port, api_key, expect)
-    return {"pid": pid, "log": log_path, "proof": proof}
+    return {"pid": pid, "log": log_path, "proof": proof, "gpu": gpu}
 
 
 def op_restart(args):

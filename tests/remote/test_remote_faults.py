@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -156,3 +157,25 @@ def test_relaunch_keeps_hostile_argv_env_and_cwd(make_host):
     assert after["fake_env_tag"] == "a;b $(x) 'q'"
     assert after["fake_argv"] == [*before["fake_argv"],
                                   "--speculative-disable-batch-threshold", "32"]
+
+
+def test_restart_waits_until_nvidia_smi_no_longer_lists_the_old_server(make_host):
+    host = make_host("0.5.10.post1")
+    bin_dir = host.root / "fake bin"
+    bin_dir.mkdir()
+    counter = host.root / "smi-calls"
+    smi = bin_dir / "nvidia-smi"
+    srv = host.server(*SPEC, env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, start=False)
+    srv.start()
+    srv.wait_healthy()
+    # lists the old server's pid as a GPU user for its first three calls, then frees it
+    c = shlex.quote(str(counter))
+    smi.write_text(f"""#!/bin/sh
+n=$(cat {c} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {c}
+[ $n -le 3 ] && echo {srv.pid}
+exit 0
+""")
+    smi.chmod(0o755)
+    out = apply(host)
+    assert out["restart"]["gpu_memory"] == "free"
+    assert int(counter.read_text()) == 4
