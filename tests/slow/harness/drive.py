@@ -365,56 +365,66 @@ def check_v2_steps(steps: int) -> dict[str, Any]:
     return report
 
 
-def check_cycle(max_steps: int = 24) -> dict[str, Any]:
-    """v1 at T=2 (resume at bs <= 1): fallback steps while three requests run, then two finish
-    and the worker's REAL speculative path takes over from the state the fallback left."""
+def check_cycle(max_steps: int = 60) -> dict[str, Any]:
+    """v1 at T=2 (resume at bs <= 1), through the REAL speculative path on both sides:
+    r2 speculates alone; r0 and r1 join (the scheduler's merge_batch), so after the dwell the
+    batch of 3 runs fallback steps; once r0 and r1 have finished and the dwell has passed,
+    r2 speculates again from the draft state the fallback steps left."""
     release = world.import_release("v1")
     args = world.server_args(threshold=2)
     req_to_token_pool, allocator = world.memory()
-    specs = [
-        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=10),
-        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=11),
-        world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=60),
+    total = allocator.available_size()
+    alone = [world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=90)]
+    joining = [
+        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=30),
+        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=34),
     ]
-    batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    batch = world.prefilled_batch(release, args, alone, req_to_token_pool, allocator,
+                                  rids=["r2"])
     batch_ref = [batch]
     worker = world.v1_worker(release, args, req_to_token_pool, allocator, batch_ref)
     entry = getattr(release.worker_cls, entry_name(release))
-    total = allocator.available_size() + sum(len(s.prompt) for s in specs)
     steps = []
-    for _ in range(max_steps):
+    for i in range(max_steps):
         if not batch.reqs:
             break
+        if i == 3:  # new requests arrive: their prefill done, the scheduler merges them in
+            newcomers = world.prefilled_batch(release, args, joining, req_to_token_pool,
+                                              allocator, rids=["r0", "r1"])
+            batch.merge_batch(newcomers)
         n_target = len(worker.target_worker.calls)
         before = {"rids": [r.rid for r in batch.reqs], "root": _root_of(batch.spec_info),
                   "outputs": {r.rid: len(r.output_ids) for r in batch.reqs}}
         with CudaAsCpu():
             result = entry(worker, batch)
         calls = worker.target_worker.calls[n_target:]
-        emitted = {r.rid: list(r.output_ids)[before["outputs"][r.rid]:] for r in batch.reqs}
         steps.append({
             "before": before,
             "mode": calls[0].forward_mode if calls else None,
-            "target_positions": calls[0].positions if calls else None,
-            "target_inputs": calls[0].input_ids if calls else None,
-            "emitted": emitted,
+            "emitted": {r.rid: list(r.output_ids)[before["outputs"][r.rid]:]
+                        for r in batch.reqs},
             "result": _result_summary(result),
-            "root_after": _root_of(batch.spec_info),
         })
         world.release_finished(batch)
         world.call(batch.filter_batch, v1_spec_info_filtered=True)
         steps[-1]["free_plus_live"] = allocator.available_size() + (
             sum(batch.seq_lens.tolist()) if batch.reqs else 0)
-    adapter = release.fallback_mod._adapters.get(release.worker_cls)
-    controller = adapter.controller
+    controller = release.fallback_mod._adapters[release.worker_cls].controller
+    outputs: dict[str, list[int]] = {}
+    for step in steps:
+        for rid, tokens in step["emitted"].items():
+            outputs.setdefault(rid, []).extend(tokens)
     return {
         "total_slots": total,
         "num_steps": args.speculative_num_steps,
+        "first_tokens": {"r2": 33, "r0": 11, "r1": 22},
+        "max_new_tokens": {"r2": 90, "r0": 30, "r1": 34},
         "steps": steps,
-        "final_outputs": {r.rid: list(r.output_ids) for r in batch.reqs},
+        "emitted_by_rid": outputs,
         "controller": {"fallback_steps": controller.n_fallback_steps,
                        "spec_steps": controller.n_spec_steps,
-                       "switches": controller.n_switches},
+                       "switches": controller.n_switches,
+                       "min_dwell_steps": controller.min_dwell_steps},
     }
 
 

@@ -428,6 +428,7 @@ def model_config() -> Any:
         is_hybrid=False,
         is_hybrid_swa=False,
         think_end_id=None,  # 0.5.12.post1 verify counts reasoning tokens
+        spec_hidden_size=toy_model.HIDDEN,  # 0.5.12.post1 idle draft input width
     )
 
 
@@ -438,7 +439,8 @@ class RequestSpec:
     max_new_tokens: int
 
 
-def make_requests(release: Release, specs: list[RequestSpec]) -> list[Any]:
+def make_requests(release: Release, specs: list[RequestSpec],
+                  rids: list[str] | None = None) -> list[Any]:
     sb = release.schedule_batch
     params_mod = importlib.import_module("sglang.srt.sampling.sampling_params")
     reqs = []
@@ -446,7 +448,8 @@ def make_requests(release: Release, specs: list[RequestSpec]) -> list[Any]:
         params = construct(params_mod.SamplingParams, max_new_tokens=spec.max_new_tokens,
                            temperature=0.0, ignore_eos=True)
         call(params.normalize, None)
-        req = construct(sb.Req, rid=f"r{i}", origin_input_text="", origin_input_ids=spec.prompt,
+        rid = rids[i] if rids else f"r{i}"
+        req = construct(sb.Req, rid=rid, origin_input_text="", origin_input_ids=spec.prompt,
                         sampling_params=params, vocab_size=toy_model.VOCAB)
         req.output_ids = [spec.first_token]
         reqs.append(req)
@@ -454,11 +457,12 @@ def make_requests(release: Release, specs: list[RequestSpec]) -> list[Any]:
 
 
 def prefilled_batch(
-    release: Release, args: Any, specs: list[RequestSpec], req_to_token_pool: Any, allocator: Any
+    release: Release, args: Any, specs: list[RequestSpec], req_to_token_pool: Any,
+    allocator: Any, rids: list[str] | None = None,
 ) -> Any:
     """A DECODE batch in the state a prefill + draft-extend leaves (fallback-design.md §2.1)."""
     sb = release.schedule_batch
-    reqs = make_requests(release, specs)
+    reqs = make_requests(release, specs, rids)
     spec_algorithm = importlib.import_module(f"{SPEC}.spec_info").SpeculativeAlgorithm
     batch = call(
         sb.ScheduleBatch.init_new,
