@@ -42,7 +42,8 @@ ADAPTIVE_CONFIG = "--speculative-adaptive-config"
 class Faults:
     """Test hooks: drop the connection after a step, or make the agent die mid-commit."""
 
-    drop_connection_after: str | None = None  # facts | staged | committed | restart-sent
+    # facts | stage-sent | staged | commit-sent | committed | restart-sent
+    drop_connection_after: str | None = None
     agent: str | None = None  # die-mid-commit
 
 
@@ -303,8 +304,9 @@ def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequ
                       argv: Sequence[str] | None) -> None:
     files = [{"path": c.path, "before_sha": sha256_or_none(c.before),
               "after_sha": sha256_or_none(c.after), "after": _b64(c.after)} for c in changes]
-    staged = s.agent.request("stage", {"package_dir": base_dir, "python": facts.python,
-                                       "files": files})["staged"]
+    s.agent.send("stage", {"package_dir": base_dir, "python": facts.python, "files": files})
+    s.step("stage-sent")
+    staged = s.agent.receive()["staged"]
     s.step("staged")
     args: dict[str, Any] = {
         "package_dir": base_dir, "state_dir": facts.state_dir, "files": staged,
@@ -314,7 +316,9 @@ def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequ
     if not keep_manifest:
         args["manifest"] = _b64(manifest.to_bytes()) if manifest else None
         args["clear_backup"] = manifest is None
-    s.agent.request("commit", args)
+    s.agent.send("commit", args)
+    s.step("commit-sent")
+    s.agent.receive()
     s.step("committed")
 
 

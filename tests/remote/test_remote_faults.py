@@ -61,7 +61,7 @@ def assert_fully_patched(host) -> None:
     assert not (host.state / "journal.json").exists()
 
 
-@pytest.mark.parametrize("step", ["facts", "staged"])
+@pytest.mark.parametrize("step", ["facts", "stage-sent", "staged"])
 def test_connection_dropped_before_commit_leaves_the_host_original(make_host, step):
     host = make_host("0.5.10.post1")
     original = tree_bytes(host.package)
@@ -81,11 +81,12 @@ def test_connection_dropped_before_commit_leaves_the_host_original(make_host, st
     assert_fully_patched(host)
 
 
-def test_connection_dropped_after_commit_leaves_it_patched_with_restart_pending(make_host):
+@pytest.mark.parametrize("step", ["commit-sent", "committed"])
+def test_connection_dropped_after_commit_leaves_it_patched_with_restart_pending(make_host, step):
     host = make_host("0.5.10.post1")
     srv = host.server(*SPEC)
     with pytest.raises(DynspecError):
-        apply(host, Faults(drop_connection_after="committed"))
+        apply(host, Faults(drop_connection_after=step))
     wait_lock_free(host.state)
     assert_fully_patched(host)
     assert no_debris(host) == []
