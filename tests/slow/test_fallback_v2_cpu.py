@@ -106,3 +106,12 @@ def test_request_finishing_and_kv_conservation(v2_case, drive):
     for step in report["steps"]:
         assert step["release_kv_cache"], "no release_kv_cache: over-allocation is not freed here"
         assert step["free_after_release"] + step["live_allocated"] == report["total_slots"]
+
+
+def test_batch_at_threshold_runs_the_real_speculative_path(v2_case, drive):
+    release, variant = v2_case
+    report = drive(release, variant)["at_threshold"]
+    assert report["spec_path_entered"]  # the hook returned None; the worker's body went on
+    assert report["draft_batch_sizes"] == [report["threshold"]]
+    assert report["target_calls"] == 0
+    assert report["controller_spec_steps"] == 1

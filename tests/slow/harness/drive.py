@@ -235,24 +235,33 @@ class SpecPathEntered(Exception):
 
 
 def check_at_threshold(variant: str) -> dict[str, Any]:
-    """bs == T must keep speculating: the hook returns None and the worker's own body runs."""
+    """bs == T must keep speculating: the hook returns None and the worker's own body runs
+    (up to its draft call, where a spy stops it)."""
     release = world.import_release(variant)
     specs = [world.RequestSpec(prompt=[1, 2, 3], first_token=5, max_new_tokens=9)] * 3
     args = world.server_args(threshold=len(specs))
     req_to_token_pool, allocator = world.memory()
-    batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
-    worker = world.v1_worker(release, args, req_to_token_pool, allocator, [batch])
     drafted: list[int] = []
 
     def draft_spy(batch_arg: Any) -> Any:
-        drafted.append(len(batch_arg.reqs))
+        drafted.append(len(batch_arg.seq_lens))
         raise SpecPathEntered
 
-    worker.draft = draft_spy
+    if variant == "v1":
+        batch = world.prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+        worker = world.v1_worker(release, args, req_to_token_pool, allocator, [batch])
+        worker.draft = draft_spy
+        step_input = batch
+    else:
+        batch = world.v2_decode_batch(release, args, specs, req_to_token_pool, allocator)
+        batch.prepare_for_decode()
+        step_input = batch.get_model_worker_batch()
+        worker = world.v2_worker(release, args, req_to_token_pool, allocator, [step_input])
+        worker.draft_worker.draft = draft_spy
     entered = False
     try:
         with CudaAsCpu():
-            getattr(release.worker_cls, entry_name(release))(worker, batch)
+            getattr(release.worker_cls, entry_name(release))(worker, step_input)
     except SpecPathEntered:
         entered = True
     adapter = release.fallback_mod._adapters.get(release.worker_cls)
@@ -444,11 +453,11 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
     # all: one interpreter per (release, worker) keeps the tier's run time down; each part
     # reports its own failure so that one broken part does not hide the others.
     parts: dict[str, Any] = {"wiring": lambda: check_wiring(variant)}
+    parts["at_threshold"] = lambda: check_at_threshold(variant)
     if variant == "v2":
         parts["steps"] = lambda: check_v2_steps(steps)
     else:
         parts["steps"] = lambda: check_steps(variant, steps, threshold)
-        parts["at_threshold"] = lambda: check_at_threshold(variant)
         parts["cycle"] = check_cycle
     report = {}
     for name, part in parts.items():
