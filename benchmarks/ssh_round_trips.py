@@ -72,7 +72,8 @@ def main() -> int:
                 venv, cwd, port,
                 [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
                  "m", "--port", str(port), *SPEC],
-                {"PATH": "/usr/bin:/bin", "SGLANG_ENABLE_SPEC_V2": "1"}, root / "server.log")
+                {"PATH": "/usr/bin:/bin", "SGLANG_ENABLE_SPEC_V2": "1"}, root / "server.log",
+                ns_init=sshd.ns_init)
             srv.start()
             srv.wait_healthy()
             opts = HostOptions(host="127.0.0.1", port=sshd.port, user=harness.OP_USER,

@@ -88,7 +88,8 @@ class Host:
                 "--model-path", str(self.root / "model dir"), "--port", str(port), *args]
         full_env = {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
                     "DYNSPEC_TEST_TAG": "a;b $(x) 'q'", **(env or {})}
-        srv = FakeServer(self.venv, cwd, port, argv, full_env, self.root / "server.log", user)
+        srv = FakeServer(self.venv, cwd, port, argv, full_env, self.root / "server.log", user,
+                         ns_init=self.sshd.ns_init)
         self.servers.append(srv)
         if start:
             srv.start()

@@ -1,13 +1,21 @@
 """A throw-away OpenSSH server on 127.0.0.1, test accounts, and SGLang "hosts" made of venvs.
 
 Everything lives under one temp dir (mode 755 so the test accounts can read their
-authorized_keys). Needs root, ``/usr/sbin/sshd`` (openssh-server) and ``sudo``.
+authorized_keys). Needs root, ``/usr/sbin/sshd`` (openssh-server), ``sudo`` and util-linux
+``unshare``/``nsenter``.
+
+sshd runs as PID 1 of its own PID namespace (``unshare --pid --fork --mount-proc``), and the
+fake servers are started inside it with ``nsenter``: what the remote agent sees in ``/proc``
+is this session's servers only, so two test sessions on one machine do not see each other's
+servers, and killed servers are reaped at once. Test accounts carry a per-session suffix.
+PIDs reported over SSH are namespace PIDs; ``outer_pid`` maps them back for ``/proc`` reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,8 +30,9 @@ from pathlib import Path
 from patcher.releases import fetch_wheel, find_pin
 
 FAKE_DIR = Path(__file__).parent / "fake"
-OP_USER = "dsp-op"  # passwordless sudo
-PLAIN_USER = "dsp-plain"  # no sudo
+_TAG = secrets.token_hex(3)
+OP_USER = f"dsp-op-{_TAG}"  # passwordless sudo
+PLAIN_USER = f"dsp-pl-{_TAG}"  # no sudo
 HOSTILE = "it's a $(touch pwned) `touch pwned2` dir"
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -63,15 +72,42 @@ def ensure_user(name: str, sudo: bool) -> None:
 class Sshd:
     base: Path
     port: int
-    pid: int
+    pid: int  # the unshare process (root namespace)
     client_key: Path
     known_hosts: Path
     host_pub: str
     log: Path
+    ns_init: int = 0  # sshd, PID 1 of the namespace, as seen from outside
 
     def stop(self) -> None:
+        # --kill-child: sshd (PID 1 inside) dies with unshare, and the namespace with it
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def outer_pid(ns_init: int, inner: int) -> int:
+    """The root-namespace PID of the process that is ``inner`` inside the test namespace."""
+    ns = os.readlink(f"/proc/{ns_init}/ns/pid")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{name}/status").read_text()
+            if os.readlink(f"/proc/{name}/ns/pid") != ns:
+                continue
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == str(inner):
+                return int(name)
+    raise LookupError(f"no process {inner} in the test namespace")
 
 
 def start_sshd(base: Path) -> Sshd:
@@ -102,17 +138,26 @@ def start_sshd(base: Path) -> Sshd:
         "Subsystem sftp internal-sftp\nAllowTcpForwarding yes\nMaxStartups 100\n"
         "MaxSessions 100\nLogLevel VERBOSE\n"
     )
-    sh("/usr/sbin/sshd", "-f", str(conf), "-E", str(log))
-    for _ in range(100):
-        if pidfile.exists() and pidfile.read_text().strip():
-            break
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+         "/usr/sbin/sshd", "-D", "-f", str(conf), "-E", str(log)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    deadline = time.time() + 10
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if time.time() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"sshd did not start: {log.read_text() if log.exists() else ''}")
         time.sleep(0.05)
+    ns_init = _children(proc.pid)[0]
     host_pub = (base / "ssh_host_ed25519_key.pub").read_text().split()
     known = base / "known_hosts"
     known.write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
     known.chmod(0o644)
     (base / "ssh_config").write_text("")
-    return Sshd(base, port, int(pidfile.read_text()), client, known, " ".join(host_pub[:2]), log)
+    return Sshd(base, port, proc.pid, client, known, " ".join(host_pub[:2]), log, ns_init)
 
 
 def build_venv(dest: Path, version: str, owner: str | None = None) -> Path:
@@ -152,31 +197,37 @@ class FakeServer:
     env: dict[str, str]
     log: Path
     user: str | None = None
-    pid: int = 0
-    marker: str = ""
+    pid: int = 0  # inside the namespace: what the agent reports
+    ns_init: int = 0
     extra: dict = field(default_factory=dict)
 
     def start(self) -> FakeServer:
+        """Start inside the sshd's PID namespace, like a server that runs on that host."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child
-        kwargs: dict = {}
+        cmd = ["nsenter", "-t", str(self.ns_init), "--pid", "--mount", f"--wd={self.cwd}"]
         if self.user:
             import pwd
 
             pw = pwd.getpwnam(self.user)
-            kwargs = {"user": pw.pw_uid, "group": pw.pw_gid}
-        proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=out,
+            cmd += ["--setgid", str(pw.pw_gid), "--setuid", str(pw.pw_uid)]
+        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(["/usr/bin/nsenter", *cmd[1:], "--", *self.argv],
+                                cwd=self.cwd, env=self.env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, **kwargs)
+                                start_new_session=True)
         out.close()
-        self.pid = proc.pid
         self.extra["popen"] = proc
         return self
+
+    def outer(self, inner: int | None = None) -> int:
+        return outer_pid(self.ns_init, inner if inner is not None else self.pid)
 
     def wait_healthy(self, timeout: float = 20) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.get("/health")[0] == 200:
+                if not self.pid:
+                    self.pid = int(self.get("/fake_pid")[1])
                 return
             time.sleep(0.05)
         raise RuntimeError(f"fake server on {self.port} not healthy: {self.log.read_text()[-500:]}")

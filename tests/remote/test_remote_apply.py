@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from remote_harness import PLAIN_USER, tree_bytes
+from remote_harness import OP_USER, PLAIN_USER, tree_bytes
 
 from patcher import remote_commands as rc
 from patcher.errors import RefusedError, RollbackError, UsageError
@@ -187,7 +187,7 @@ def test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts(make_
     host = make_host("0.5.10.post1")
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    opts = rc.HostOptions(host="127.0.0.1", port=host.sshd.port, user="dsp-op",
+    opts = rc.HostOptions(host="127.0.0.1", port=host.sshd.port, user=OP_USER,
                           identity_file=str(host.sshd.client_key), known_hosts=str(empty),
                           ssh_config=host.options().ssh_config)
     with pytest.raises(RefusedError, match="not in known_hosts"):
@@ -298,7 +298,7 @@ def test_sudo_agent_relaunches_the_server_as_its_own_user(make_host):
     out = apply(host)  # login dsp-op, agent root through sudo -n
     assert out["sudo"] is True
     new_pid = out["restart"]["pid"]
-    status = Path(f"/proc/{new_pid}/status").read_text()
+    status = Path(f"/proc/{srv.outer(new_pid)}/status").read_text()
     uid = int(status.split("Uid:")[1].split()[0])
     assert uid == pwd.getpwnam(PLAIN_USER).pw_uid
     assert srv.info()["speculative_disable_batch_threshold"] == 32
@@ -351,5 +351,5 @@ def test_sglang_serve_entrypoint_is_found_and_relaunched(make_host):
     assert out["restart"]["restarted"] is True
     info = srv.info()
     assert info["speculative_disable_batch_threshold"] == 32
-    new_argv = Path(f"/proc/{info['fake_pid']}/cmdline").read_bytes().split(b"\0")
+    new_argv = Path(f"/proc/{srv.outer(info['fake_pid'])}/cmdline").read_bytes().split(b"\0")
     assert new_argv[1:3] == [str(script).encode(), b"serve"]

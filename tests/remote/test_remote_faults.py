@@ -149,10 +149,11 @@ def test_relaunch_keeps_hostile_argv_env_and_cwd(make_host):
     host = make_host("0.5.10.post1")
     srv = host.server(*SPEC, "--served-model-name", "it's \"quoted\" $(touch pwned) `x`")
     before = srv.info()
-    ignored_before = sig_ign(srv.pid)
+    ignored_before = sig_ign(srv.outer())
     out = apply(host)
     after = srv.info()
-    assert sig_ign(after["fake_pid"]) == ignored_before  # no SIGHUP-ignore leaks from the agent
+    # no SIGHUP-ignore leaks from the agent into the relaunched server
+    assert sig_ign(srv.outer(after["fake_pid"])) == ignored_before
     assert after["fake_pid"] == out["restart"]["pid"] != before["fake_pid"]
     assert after["fake_cwd"] == before["fake_cwd"] == str(srv.cwd)
     assert after["fake_env_tag"] == "a;b $(x) 'q'"

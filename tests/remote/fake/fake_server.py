@@ -200,6 +200,8 @@ def main() -> None:
             ready = time.time() >= ready_at and not unhealthy
             if self.path in ("/health", "/health_generate"):
                 self._send(200 if ready else 503)
+            elif self.path == "/fake_pid":  # for the tests (namespace PID), never for discovery
+                self._send(200, str(os.getpid()).encode(), "text/plain")
             elif self.path in endpoints:
                 self._send(200, json.dumps(info).encode())
             else:
