@@ -11,6 +11,7 @@ release, filter) is re-done in the driver (harness/drive.py ``check_v2_steps``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -115,3 +116,40 @@ def test_batch_at_threshold_runs_the_real_speculative_path(v2_case, drive):
     assert report["draft_batch_sizes"] == [report["threshold"]]
     assert report["target_calls"] == 0
     assert report["controller_spec_steps"] == 1
+
+
+def test_spec_fallback_spec_cycle_through_the_real_speculative_path(v2_case, drive, toy):
+    """T=2: r2 speculates alone through EAGLEWorkerV2's REAL speculative path (draft worker's
+    draft, tree from the reference kernel, prepare_for_v2_verify, TARGET_VERIFY, sample,
+    fill of the next root, _draft_extend_for_decode); r0 and r1 join through merge_batch and
+    the batch of 3 runs fallback steps; then r2 speculates again from the FutureMap fields
+    the fallback steps produced. Accepted drafts, streams and KV must come out exact."""
+    release, variant = v2_case
+    report = drive(release, variant)["cycle"]
+    if "skipped" in report:
+        pytest.skip(report["skipped"])
+    steps = report["steps"]
+    modes = "".join("S" if s["mode"] == "TARGET_VERIFY" else "F" for s in steps)
+    match = re.fullmatch(r"(S+)(F+)(S+)", modes)
+    assert match, modes
+    spec_before, fallback, spec_after = (len(g) for g in match.groups())
+    assert fallback >= report["controller"]["min_dwell_steps"]
+    assert report["controller"]["switches"] == 2
+    assert report["controller"]["fallback_steps"] == fallback
+    assert report["controller"]["spec_steps"] == spec_before + spec_after
+    assert steps[spec_before]["before"]["rids"] == ["r2", "r0", "r1"]
+    for i, step in enumerate(steps):
+        if step["mode"] != "TARGET_VERIFY":
+            assert step["accept_lens"] == [1] * len(step["before"]["rids"])
+            continue
+        (root,) = step["before"]["root"]
+        accepted = toy.accepted_drafts(root, report["num_steps"])
+        assert step["accept_lens"] == [accepted + 1]
+        (emitted,) = step["emitted"].values()
+        expected = toy.greedy_continuation(root, accepted + 1)
+        assert emitted == (expected[: len(emitted)] if i == len(steps) - 1 else expected)
+    assert any(s["accept_lens"][0] > 1 for s in steps[spec_before + fallback:])
+    for rid, tokens in report["emitted_by_rid"].items():
+        assert tokens == toy.greedy_continuation(report["first_tokens"][rid], len(tokens))
+        assert len(tokens) + 1 == report["max_new_tokens"][rid]
+    assert all(s["free_plus_allocated"] == report["total_slots"] for s in steps)

@@ -21,6 +21,18 @@ def _is_cuda(device: Any) -> bool:
 
 
 class CudaAsCpu(TorchFunctionMode):
+    """Also: ``Tensor.record_stream`` is a no-op inside (one CPU "stream", nothing to order;
+    torch.cpu's Stream is not an argument the C++ method accepts)."""
+
+    def __enter__(self) -> CudaAsCpu:
+        self._record_stream = torch.Tensor.record_stream
+        torch.Tensor.record_stream = lambda tensor, stream: None
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.record_stream = self._record_stream
+        super().__exit__(*exc)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):

@@ -282,12 +282,93 @@ def _v2_stride(result: Any, worker: Any) -> int:
     return int(stride if stride is not None else worker.draft_worker.speculative_num_draft_tokens)
 
 
+def _v2_run_step(release: Any, worker: Any, batch: Any, batch_ref: list[Any],
+                 allocator: Any) -> dict[str, Any]:
+    """One v2 step as the overlap scheduler runs it, then its output processing."""
+    batch.prepare_for_decode()  # real: over-allocation + req_to_token for the next slots
+    mwb = batch.get_model_worker_batch()
+    seq_lens_tensor = mwb.seq_lens
+    before = {
+        "seq_lens": mwb.seq_lens.tolist(),
+        "root": _root_of(mwb.spec_info),
+        "rids": [r.rid for r in batch.reqs],
+        "outputs": {r.rid: len(r.output_ids) for r in batch.reqs},
+        "allocated_rows": {
+            r.rid: batch.req_to_token_pool.req_to_token[r.req_pool_idx,
+                                                        : r.kv_allocated_len].tolist()
+            for r in batch.reqs
+        },
+    }
+    batch_ref[0] = mwb
+    n_target = len(worker.target_worker.calls)
+    n_draft = len(worker.draft_worker.draft_runner.calls)
+    with CudaAsCpu():
+        result = release.worker_cls.forward_batch_generation(worker, mwb)
+    stride = _v2_stride(result, worker)
+    next_input = result.next_draft_input
+    new_seq_lens = getattr(result, "new_seq_lens", None)
+    if new_seq_lens is None:
+        new_seq_lens = next_input.new_seq_lens
+    target_calls = [vars(c) for c in worker.target_worker.calls[n_target:]]
+    step = {
+        "before": before,
+        "mode": target_calls[0]["forward_mode"] if target_calls else None,
+        "seq_lens_tensor_untouched": seq_lens_tensor.tolist() == before["seq_lens"],
+        "result_type": type(result).__name__,
+        "next_token_ids": result.next_token_ids.tolist(),
+        "accept_lens": result.accept_lens.tolist(),
+        "stride": stride,
+        "new_seq_lens": new_seq_lens.tolist(),
+        "next_root": _root_of(next_input),
+        "next_root_dtype": _root_dtype(next_input),
+        "next_topk_index": next_input.topk_index.tolist(),
+        "next_hidden": next_input.hidden_states[:, :3].tolist(),
+        "target_calls": target_calls,
+        "draft_calls": [vars(c) for c in worker.draft_worker.draft_runner.calls[n_draft:]],
+        "graph_attr_after": repr(getattr(worker.target_worker.model_runner,
+                                         worker.target_worker.graph_attr)),
+    }
+    # The scheduler's output processing (0.5.10 _resolve_spec_overlap_token_ids and
+    # process_batch_result_decode, reduced to the token and KV bookkeeping).
+    tokens = result.next_token_ids.tolist()
+    for i, (req, accepted) in enumerate(zip(batch.reqs, step["accept_lens"], strict=True)):
+        for token in tokens[i * stride : i * stride + accepted]:
+            req.output_ids.append(token)
+            req.check_finished()
+            if req.finished():
+                break
+        req.kv_committed_len += accepted
+    batch.seq_lens = new_seq_lens
+    batch.seq_lens_cpu = new_seq_lens.cpu()
+    batch.spec_info = next_input
+    batch.output_ids = result.next_token_ids
+    step["reqs"] = _snapshot_reqs(batch)
+    step["emitted"] = {r.rid: list(r.output_ids)[before["outputs"][r.rid]:] for r in batch.reqs}
+    # The real v2 scheduler holds the draft input behind FutureMap indices: filter_batch
+    # selects those (0.5.5: and allocate_lens) by index, and the next step resolves the
+    # tensors through them. Do the same with identity indices.
+    n = len(step["accept_lens"])
+    next_input.future_indices = SimpleNamespace(indices=torch.arange(n))
+    world.release_finished(batch)
+    world.call(batch.filter_batch)
+    kept = next_input.future_indices.indices
+    next_input.future_indices = None
+    batch.spec_info = world.select_rows(next_input, kept.tolist(), n)
+    step["rids_after_filter"] = [r.rid for r in batch.reqs]
+    step["free_after_release"] = allocator.available_size()
+    step["live_allocated"] = sum(r.kv_allocated_len for r in batch.reqs)
+    step["release_kv_cache"] = hasattr(sys.modules.get("sglang.srt.mem_cache.common"),
+                                       "release_kv_cache")
+    return step
+
+
 def check_v2_steps(steps: int) -> dict[str, Any]:
     """v2: the scheduler's prepare_for_decode + get_model_worker_batch, the patched
     EAGLEWorkerV2 entry, then the output processing the scheduler does with its result."""
     release = world.import_release("v2")
     args = world.server_args(threshold=1)
     req_to_token_pool, allocator = world.memory()
+    total = allocator.available_size()
     specs = [
         world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=3),
         world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=30),
@@ -295,83 +376,63 @@ def check_v2_steps(steps: int) -> dict[str, Any]:
     batch = world.v2_decode_batch(release, args, specs, req_to_token_pool, allocator)
     batch_ref = [batch]
     worker = world.v2_worker(release, args, req_to_token_pool, allocator, batch_ref)
-    report: dict[str, Any] = {"total_slots": allocator.available_size() + sum(
-        len(s.prompt) for s in specs), "steps": []}
+    report: dict[str, Any] = {"total_slots": total, "steps": []}
     for _ in range(steps):
-        batch.prepare_for_decode()  # real: over-allocation + req_to_token for the next slots
-        mwb = batch.get_model_worker_batch()
-        seq_lens_tensor = mwb.seq_lens
-        before = {
-            "seq_lens": mwb.seq_lens.tolist(),
-            "root": _root_of(mwb.spec_info),
-            "rids": [r.rid for r in batch.reqs],
-            "allocated_rows": {
-                r.rid: batch.req_to_token_pool.req_to_token[r.req_pool_idx,
-                                                            : r.kv_allocated_len].tolist()
-                for r in batch.reqs
-            },
-        }
-        batch_ref[0] = mwb
-        n_target = len(worker.target_worker.calls)
-        n_draft = len(worker.draft_worker.draft_runner.calls)
-        with CudaAsCpu():
-            result = release.worker_cls.forward_batch_generation(worker, mwb)
-        stride = _v2_stride(result, worker)
-        next_input = result.next_draft_input
-        new_seq_lens = getattr(result, "new_seq_lens", None)
-        if new_seq_lens is None:
-            new_seq_lens = next_input.new_seq_lens
-        step = {
-            "before": before,
-            "seq_lens_tensor_untouched": seq_lens_tensor.tolist() == before["seq_lens"],
-            "result_type": type(result).__name__,
-            "next_token_ids": result.next_token_ids.tolist(),
-            "accept_lens": result.accept_lens.tolist(),
-            "stride": stride,
-            "new_seq_lens": new_seq_lens.tolist(),
-            "next_root": _root_of(next_input),
-            "next_root_dtype": _root_dtype(next_input),
-            "next_topk_index": next_input.topk_index.tolist(),
-            "next_hidden": next_input.hidden_states[:, :3].tolist(),
-            "target_calls": [vars(c) for c in worker.target_worker.calls[n_target:]],
-            "draft_calls": [vars(c) for c in worker.draft_worker.draft_runner.calls[n_draft:]],
-            "graph_attr_after": repr(getattr(worker.target_worker.model_runner,
-                                             worker.target_worker.graph_attr)),
-        }
-        # The scheduler's output processing (0.5.10 _resolve_spec_overlap_token_ids and
-        # process_batch_result_decode, reduced to the token and KV bookkeeping).
-        tokens = result.next_token_ids.tolist()
-        for i, (req, accepted) in enumerate(zip(batch.reqs, step["accept_lens"], strict=True)):
-            for token in tokens[i * stride : i * stride + accepted]:
-                req.output_ids.append(token)
-                req.check_finished()
-                if req.finished():
-                    break
-            req.kv_committed_len += accepted
-        batch.seq_lens = new_seq_lens
-        batch.seq_lens_cpu = new_seq_lens.cpu()
-        batch.spec_info = next_input
-        batch.output_ids = result.next_token_ids
-        step["reqs"] = _snapshot_reqs(batch)
-        # The real v2 scheduler holds the draft input behind FutureMap indices: filter_batch
-        # selects those (0.5.5: and allocate_lens) by index, and the next step resolves the
-        # tensors through them. Do the same with identity indices.
-        n = len(step["accept_lens"])
-        next_input.future_indices = SimpleNamespace(indices=torch.arange(n))
-        world.release_finished(batch)
-        world.call(batch.filter_batch)
-        kept = next_input.future_indices.indices
-        next_input.future_indices = None
-        batch.spec_info = world.select_rows(next_input, kept.tolist(), n)
-        step["rids_after_filter"] = [r.rid for r in batch.reqs]
-        step["free_after_release"] = allocator.available_size()
-        step["live_allocated"] = sum(r.kv_allocated_len for r in batch.reqs)
-        step["release_kv_cache"] = hasattr(sys.modules.get("sglang.srt.mem_cache.common"),
-                                           "release_kv_cache")
-        report["steps"].append(step)
+        report["steps"].append(_v2_run_step(release, worker, batch, batch_ref, allocator))
         if not batch.reqs:
             break
     return report
+
+
+def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
+    """v2 at T=2: r2 speculates alone through EAGLEWorkerV2's REAL speculative path; r0 and r1
+    join (merge_batch), the batch of 3 runs fallback steps; then r2 speculates again."""
+    release = world.import_release("v2")
+    if "allocate_lens" in {f.name for f in world.dataclasses.fields(
+            release.g("EagleDraftInput"))}:
+        return {"skipped": "allocate_lens lives on the draft input (0.5.5); the driver's "
+                           "FutureMap emulation does not merge it"}
+    args = world.server_args(threshold=2)
+    req_to_token_pool, allocator = world.memory()
+    total = allocator.available_size()
+    batch = world.v2_decode_batch(release, args, [world.RequestSpec(
+        prompt=list(range(40, 52)), first_token=33, max_new_tokens=90)], req_to_token_pool,
+        allocator, rids=["r2"])
+    batch_ref = [batch]
+    worker = world.v2_worker(release, args, req_to_token_pool, allocator, batch_ref)
+    joining = [
+        world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=30),
+        world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=34),
+    ]
+    steps = []
+    for i in range(max_steps):
+        if not batch.reqs:
+            break
+        if i == 3:
+            newcomers = world.v2_decode_batch(release, args, joining, req_to_token_pool,
+                                              allocator, rids=["r0", "r1"])
+            batch.merge_batch(newcomers)
+        steps.append(_v2_run_step(release, worker, batch, batch_ref, allocator))
+        steps[-1]["free_plus_allocated"] = (steps[-1]["free_after_release"]
+                                            + steps[-1]["live_allocated"])
+    controller = release.fallback_mod._adapters[release.worker_cls].controller
+    outputs: dict[str, list[int]] = {}
+    for step in steps:
+        for rid, tokens in step["emitted"].items():
+            outputs.setdefault(rid, []).extend(tokens)
+    return {
+        "total_slots": total,
+        "num_steps": args.speculative_num_steps,
+        "first_tokens": {"r2": 33, "r0": 11, "r1": 22},
+        "max_new_tokens": {"r2": 90, "r0": 30, "r1": 34},
+        "steps": [{k: step[k] for k in ("mode", "before", "emitted", "accept_lens",
+                                        "free_plus_allocated")} for step in steps],
+        "emitted_by_rid": outputs,
+        "controller": {"fallback_steps": controller.n_fallback_steps,
+                       "spec_steps": controller.n_spec_steps,
+                       "switches": controller.n_switches,
+                       "min_dwell_steps": controller.min_dwell_steps},
+    }
 
 
 def check_cycle(max_steps: int = 60) -> dict[str, Any]:
@@ -449,13 +510,14 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
     if check == "at_threshold":
         return check_at_threshold(variant)
     if check == "cycle":
-        return check_cycle()
+        return check_cycle() if variant == "v1" else check_v2_cycle()
     # all: one interpreter per (release, worker) keeps the tier's run time down; each part
     # reports its own failure so that one broken part does not hide the others.
     parts: dict[str, Any] = {"wiring": lambda: check_wiring(variant)}
     parts["at_threshold"] = lambda: check_at_threshold(variant)
     if variant == "v2":
         parts["steps"] = lambda: check_v2_steps(steps)
+        parts["cycle"] = check_v2_cycle
     else:
         parts["steps"] = lambda: check_steps(variant, steps, threshold)
         parts["cycle"] = check_cycle

@@ -256,6 +256,31 @@ def _assign_draft_cache_locs(grid: tuple[int, ...], **a: Any) -> None:
             i * span : (i + 1) * span].to(a["req_to_token"].dtype)
 
 
+def _assign_extend_cache_locs(grid: tuple[int, ...], **a: Any) -> None:
+    """out_cache_loc = concat over requests of req_to_token[pool[i], start[i]:end[i]]."""
+    taken = 0
+    for i in range(grid[0]):
+        start, end = int(a["start_offset"][i]), int(a["end_offset"][i])
+        row = int(a["req_pool_indices"][i])
+        a["out_cache_loc"][taken : taken + end - start] = a["req_to_token"][row, start:end]
+        taken += end - start
+
+
+def _fill_new_verified_id(grid: tuple[int, ...], **a: Any) -> None:
+    """new_verified_id[i] = verified_id[N*i + accept_lens[i] - 1] (the last accepted token)."""
+    n = int(a["num_draft_tokens"])
+    flat = a["verified_id"].reshape(-1)  # Triton reads it as flat memory: (bs, N) row-major
+    for i in range(grid[0]):
+        a["new_verified_id"][i] = flat[n * i + int(a["accept_lens"][i]) - 1]
+
+
+def _fill_bonus_tokens(grid: tuple[int, ...], **a: Any) -> None:
+    """0.5.12.post1's name for fill_new_verified_id (accept_tokens -> bonus_tokens_ptr)."""
+    _fill_new_verified_id(grid, verified_id=a["accept_tokens"], accept_lens=a["accept_lens"],
+                          new_verified_id=a["bonus_tokens_ptr"],
+                          num_draft_tokens=a["num_draft_tokens"])
+
+
 def build_tree_kernel_efficient(
     parent_list: torch.Tensor,
     selected_index: torch.Tensor,
@@ -298,6 +323,7 @@ TRITON_KERNELS: dict[str, GridKernel] = {
 }
 TRITON_HOMES = (
     "sglang.srt.speculative.spec_utils",
+    "sglang.srt.speculative.eagle_info_v2",
     "sglang.srt.speculative.eagle_utils",
     "sglang.srt.model_executor.forward_batch_info",
 )
@@ -315,6 +341,10 @@ SGL_KERNEL_FUNCTIONS: dict[str, Callable[..., Any]] = {
 # Triton kernels whose parameter list drifted: bound by the original's parameter names.
 NAMED_TRITON_KERNELS: dict[str, Callable[..., None]] = {
     "assign_draft_cache_locs": _assign_draft_cache_locs,
+    "assign_draft_cache_locs_page_size_1": _assign_draft_cache_locs,
+    "assign_extend_cache_locs": _assign_extend_cache_locs,
+    "fill_new_verified_id": _fill_new_verified_id,
+    "fill_bonus_tokens": _fill_bonus_tokens,
 }
 
 

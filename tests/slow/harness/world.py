@@ -194,13 +194,19 @@ DRAFT_TAG = 2.0
 
 
 class GraphRunnerSentinel:
-    """Stands where the target's captured CUDA graph runner is: using it is an error."""
+    """Stands where the target's captured TARGET_VERIFY graph runner is. A speculative step
+    asks it and runs eagerly (can_run False); replaying it is an error. The fallback must
+    not see it at all: the fake forward records the attribute's value during the call."""
+
+    def __init__(self) -> None:
+        self.consulted = 0
 
     def can_run(self, *_: Any) -> bool:
-        raise AssertionError("the TARGET_VERIFY graph runner was consulted for a fallback step")
+        self.consulted += 1
+        return False
 
     def replay(self, *_: Any, **__: Any) -> Any:
-        raise AssertionError("the TARGET_VERIFY graph was replayed for a fallback step")
+        raise AssertionError("a CUDA graph replay on CPU")
 
 
 @dataclass
@@ -229,14 +235,19 @@ class FakeTargetWorker:
             **{graph_attr: GraphRunnerSentinel()},
             hybrid_gdn_config=None, mamba2_config=None, hybrid_lightning_config=None,
         )
+        self.model_config = model_config()
         self.graph_attr = graph_attr
         self.calls: list[TargetCall] = []
         self._release = release
         self._batch_ref = batch_ref  # [ScheduleBatch]: to tell a new tensor from the batch's
         self._arity = release.fallback_mod.tuple_return_arity(inspect.getsource(real))
 
-        def forward_batch_generation(model_worker_batch: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._forward(model_worker_batch, kwargs)
+        def forward_batch_generation(model_worker_batch: Any = None, *args: Any,
+                                     **kwargs: Any) -> Any:
+            # v2 verify passes a prepared ForwardBatch instead (model_worker_batch=None)
+            batch = model_worker_batch if model_worker_batch is not None else kwargs.get(
+                "forward_batch")
+            return self._forward(batch, kwargs)
 
         params = list(inspect.signature(real).parameters.values())[1:]  # drop self
         forward_batch_generation.__signature__ = inspect.Signature(params)
@@ -256,11 +267,11 @@ class FakeTargetWorker:
                 input_ids=mwb.input_ids.tolist(),
                 input_dtype=str(mwb.input_ids.dtype),
                 seq_lens=mwb.seq_lens.tolist(),
-                seq_lens_is_batch_tensor=mwb.seq_lens is batch.seq_lens,
+                seq_lens_is_batch_tensor=mwb.seq_lens is getattr(batch, "seq_lens", None),
                 positions=positions.tolist(),
                 out_cache_loc=mwb.out_cache_loc.tolist(),
                 graph_attr_during_call=repr(getattr(self.model_runner, self.graph_attr)),
-                kwargs={k: repr(v) for k, v in kwargs.items()},
+                kwargs={k: repr(v) for k, v in kwargs.items() if k != "forward_batch"},
             )
         )
         logits = toy_logits(mwb.input_ids, toy_model.next_token)
@@ -665,11 +676,35 @@ def v2_worker(release: Release, args: Any, req_to_token_pool: Any, allocator: An
         "draft_tp_context": lambda group: contextlib.nullcontext(),
         "hot_token_id": None,
     })
+    draft.draft_attn_backend = SimpleNamespace(  # multi-step draft metadata: kernels only
+        init_forward_metadata=lambda forward_batch: None,
+        attn_backends=[SimpleNamespace(name=f"draft-step-{i}")
+                       for i in range(args.speculative_num_steps)],
+    )
     worker = object.__new__(release.worker_cls)
     target = FakeTargetWorker(release, graph_attr_name(), batch_ref)
     target.model_config = config
+    # What ForwardBatch.init_new and the v2 verify read from the target ModelRunner.
+    runner = target.model_runner
+    runner.device = "cpu"
+    runner.server_args = args
+    runner.req_to_token_pool = req_to_token_pool
+    runner.token_to_kv_pool = allocator.get_kvcache()
+    runner.token_to_kv_pool_allocator = allocator
+    runner.model_config = config
+    runner.use_ngram_embedding = runner.model_is_mrope = runner.is_hybrid_swa = False
+    runner.spec_algorithm = importlib.import_module(f"{SPEC}.spec_info").SpeculativeAlgorithm.EAGLE
+    runner.attn_backend = SimpleNamespace(
+        init_forward_metadata=lambda forward_batch: None,
+        get_verify_buffers_to_fill_after_draft=lambda: (None, None),
+    )
     _set_attrs(worker, {**common, "_target_worker": target, "_draft_worker": draft,
                         "model_config": config})
+    tree_mask_mode = getattr(sys.modules.get(f"{SPEC}.eagle_utils"), "TreeMaskMode", None)
+    _set_attrs(draft, {  # more of what EagleDraftWorker.__init__ sets
+        "target_worker": target,
+        "tree_mask_mode": tree_mask_mode.FULL_MASK if tree_mask_mode is not None else None,
+    })
     return worker
 
 
@@ -681,10 +716,11 @@ def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
 
 
 def v2_decode_batch(release: Release, args: Any, specs: list[RequestSpec],
-                    req_to_token_pool: Any, allocator: Any) -> Any:
+                    req_to_token_pool: Any, allocator: Any,
+                    rids: list[str] | None = None) -> Any:
     """A v2 (overlap) ScheduleBatch after prefill, then the scheduler's own prepare_for_decode,
     which over-allocates KV slots ahead of each request (EagleDraftInputV2Mixin)."""
-    batch = prefilled_batch(release, args, specs, req_to_token_pool, allocator)
+    batch = prefilled_batch(release, args, specs, req_to_token_pool, allocator, rids)
     batch.enable_overlap = True
     draft_cls = release.g("EagleDraftInput")
     if hasattr(draft_cls, "ALLOC_LEN_PER_DECODE"):  # 0.5.5: EAGLEWorkerV2.__init__ sets it
