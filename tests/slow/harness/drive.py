@@ -388,10 +388,6 @@ def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
     """v2 at T=2: r2 speculates alone through EAGLEWorkerV2's REAL speculative path; r0 and r1
     join (merge_batch), the batch of 3 runs fallback steps; then r2 speculates again."""
     release = world.import_release("v2")
-    if "allocate_lens" in {f.name for f in world.dataclasses.fields(
-            release.g("EagleDraftInput"))}:
-        return {"skipped": "allocate_lens lives on the draft input (0.5.5); the driver's "
-                           "FutureMap emulation does not merge it"}
     args = world.server_args(threshold=2)
     req_to_token_pool, allocator = world.memory()
     total = allocator.available_size()
@@ -411,7 +407,10 @@ def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
         if i == 3:
             newcomers = world.v2_decode_batch(release, args, joining, req_to_token_pool,
                                               allocator, rids=["r0", "r1"])
+            lens = [getattr(b.spec_info, "allocate_lens", None) for b in (batch, newcomers)]
             batch.merge_batch(newcomers)
+            if lens[0] is not None:  # 0.5.5: a future-indexed merge also concatenates these
+                batch.spec_info.allocate_lens = torch.cat(lens)
         steps.append(_v2_run_step(release, worker, batch, batch_ref, allocator))
         steps[-1]["free_plus_allocated"] = (steps[-1]["free_after_release"]
                                             + steps[-1]["live_allocated"])

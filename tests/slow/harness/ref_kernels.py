@@ -375,11 +375,13 @@ def install() -> dict[str, list[str]]:
             if original is not None and not isinstance(original, NamedGridKernel):
                 kernel = NamedGridKernel(fn, original.arg_names)
                 placed.setdefault(name, []).extend(_replace_everywhere(original, kernel))
-    stub = sys.modules.get("sgl_kernel")
-    if stub is not None:
+    stubs = [m for n, m in list(sys.modules.items())
+             if m is not None and (n == "sgl_kernel" or n.startswith("sgl_kernel."))]
+    for stub in stubs:  # the package and submodules such as sgl_kernel.top_k
         for name, fn in SGL_KERNEL_FUNCTIONS.items():
             original = vars(stub).get(name)
-            if original is not None:
+            if original is not None and original is not fn:
                 placed.setdefault(name, []).extend(_replace_everywhere(original, fn))
-            setattr(stub, name, fn)  # for `from sgl_kernel import x` inside a function body
+            if stub.__name__ == "sgl_kernel" or original is not None:
+                setattr(stub, name, fn)  # for `from sgl_kernel import x` inside a function
     return placed

@@ -693,6 +693,7 @@ def v2_worker(release: Release, args: Any, req_to_token_pool: Any, allocator: An
     runner.token_to_kv_pool_allocator = allocator
     runner.model_config = config
     runner.use_ngram_embedding = runner.model_is_mrope = runner.is_hybrid_swa = False
+    runner.is_draft_worker = False
     runner.spec_algorithm = importlib.import_module(f"{SPEC}.spec_info").SpeculativeAlgorithm.EAGLE
     runner.attn_backend = SimpleNamespace(
         init_forward_metadata=lambda forward_batch: None,
