@@ -3,10 +3,13 @@
     python drive.py CHECK VARIANT          (PYTHONPATH = stubs : harness : <patched tree parent>)
 
 CHECK is one of:
-  wiring   the patched module imports, its hook is the first statement of the entry method
-           and calls the installed dynspec_fallback; ServerArgs has the field and the flag
-  steps    (v1) drive fallback decode steps end to end through the real worker entry
-  v2step   (v2) drive one fallback step through the real EAGLEWorkerV2 entry
+  wiring        the patched module imports, its hook is the first statement of the entry
+                method and calls the installed dynspec_fallback; ServerArgs has the field
+                and the flag
+  steps         fallback decode steps end to end through the real worker entry (v1 or v2)
+  at_threshold  bs == T: the hook returns None and the worker's own body runs
+  cycle         spec -> fallback -> spec through the worker's real speculative path
+  all           every check above for VARIANT, each reported separately (what pytest runs)
 
 The JSON goes to stdout's last line; the pytest side asserts on it. Nothing is asserted here
 except "this must not happen" conditions the harness itself relies on.
