@@ -492,6 +492,7 @@ class AgentSession:
         self._buf = bytearray()
         self._err = bytearray()
         self._op = "start"
+        self._sent_at = time.perf_counter()
         conn.stats.execs += 1
         conn.stats.log.append("exec agent")
         started = time.perf_counter()
@@ -514,17 +515,14 @@ class AgentSession:
     def request(self, op: str, args: dict[str, Any] | None = None, *,
                 timeout: float = 600.0) -> dict[str, Any]:
         """Send one request and wait for its answer; raise on a refusal or error."""
-        started = time.perf_counter()
         self.send(op, args)
-        try:
-            return self.receive(timeout=timeout)
-        finally:
-            self.conn.stats.seconds.append((f"request {op}", time.perf_counter() - started))
+        return self.receive(timeout=timeout)
 
     def send(self, op: str, args: dict[str, Any] | None = None) -> None:
         self.conn.stats.requests += 1
         self.conn.stats.log.append(f"request {op}")
         self._op = op
+        self._sent_at = time.perf_counter()
         line = json.dumps({"op": op, "args": args or {}}).encode() + b"\n"
         try:
             self.chan.sendall(line)
@@ -532,7 +530,11 @@ class AgentSession:
             raise ConnectionLost(f"connection lost sending {op}: {exc}") from exc
 
     def receive(self, *, timeout: float = 600.0) -> dict[str, Any]:
-        msg = self._read_message(timeout)
+        try:
+            msg = self._read_message(timeout)
+        finally:
+            self.conn.stats.seconds.append(
+                (f"request {self._op}", time.perf_counter() - self._sent_at))
         if msg.get("ok"):
             return msg["result"]
         kind = msg.get("kind")
