@@ -265,7 +265,7 @@ class World:
             return world._verify_one_node(self, batch, logits_output)
 
         def sample(self, batch, logits_output, vocab_mask=None):
-            rec.add("sample", vi=self, vocab_mask=vocab_mask)
+            rec.add("sample", vi=self, vocab_mask=vocab_mask, input_ids=batch.input_ids)
             predict = logits_output.next_token_logits.argmax(-1).to(torch.int32)
             bs = predict.shape[0]
             accept_index = torch.arange(bs, dtype=torch.int32)[:, None]

@@ -70,6 +70,8 @@ def test_fallback_step_pads_to_the_stride_and_keeps_invariants(shapes, version):
     assert not call["seq_lens_is_batch_tensor"]
     assert call["graph"] is None
     assert torch.equal(call["input_ids"], roots.long())
+    # sample() sees the one-node tree as the batch input, as in SGLang's own verify.
+    assert torch.equal(world.recorder.get("sample")["input_ids"], roots.long())
     # The decode writes the slot the scheduler already reserved at position L.
     assert call["out_cache_loc"].tolist() == world.req_to_token[rows, 10].tolist()
     # The scheduler's tensors were not changed in place.

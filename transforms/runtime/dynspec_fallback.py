@@ -955,6 +955,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
 
     # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
+    batch.input_ids = root  # as SGLang's verify does (input = the tree); sample() reads it
     sample_args = [batch, logits_output]
     if names["sample_vocab_mask"] is not None:
         mask = _grammar_mask(adapter, batch, vi, device) if _has_grammar(batch) else None
