@@ -25,10 +25,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from patcher.engine import THRESHOLD_FLAG, FileChange, Plan, plan_apply, plan_revert, plan_status
+from patcher.engine import (
+    THRESHOLD_FLAG,
+    FileChange,
+    Plan,
+    next_manifest,
+    plan_apply,
+    plan_revert,
+    plan_status,
+)
 from patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
 from patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
-from patcher.manifest import FileRecord, Manifest, sha256_or_none
+from patcher.manifest import Manifest, sha256_or_none
 from patcher.ssh import AgentSession, Connection, ConnectionLost, RemoteError, SshTarget
 from transforms.native_adaptive import CONFIG_FILE_NAME
 
@@ -120,21 +128,6 @@ def proof_holds(info: Mapping[str, Any] | None, expect: Mapping[str, Any]) -> bo
         if value not in ("<present>", "<absent>") and info.get(key) != value:
             return False
     return True
-
-
-def next_manifest(previous: Manifest | None, plan: Plan) -> Manifest | None:
-    """Records after ``plan``: the first ``before`` of a file is kept across applies."""
-    records: dict[str, FileRecord] = previous.by_path() if previous else {}
-    for change in plan.changes:
-        first = records.get(change.path)
-        if plan.operation == "revert":
-            records.pop(change.path, None)
-            continue
-        original = first.sha256_before if first else sha256_or_none(change.before)
-        records[change.path] = FileRecord(change.path, original, sha256_or_none(change.after))
-    if not records:
-        return None
-    return Manifest(plan.sglang_version, tuple(records[p] for p in sorted(records)))
 
 
 def host_state(facts: HostFacts, plan: Plan) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from patcher.errors import UsageError
-from patcher.manifest import FileRecord, sha256_or_none
+from patcher.manifest import FileRecord, Manifest, sha256_or_none
 from transforms import (
     AddDisableThresholdArgCommand,
     HookEagleWorkerCommand,
@@ -363,3 +363,18 @@ def plan_status(snapshot: Snapshot) -> Plan:
         if snapshot.get(codemod_class.PATH) is not None:
             files.append(_status_one(codemod_class(), analyses))
     return Plan("status", version, route, reason, tuple(files))
+
+
+def next_manifest(previous: Manifest | None, plan: Plan) -> Manifest | None:
+    """The manifest after ``plan`` is written: a file's first ``before`` is kept across applies."""
+    records: dict[str, FileRecord] = previous.by_path() if previous else {}
+    for change in plan.changes:
+        first = records.get(change.path)
+        if plan.operation == "revert":
+            records.pop(change.path, None)
+            continue
+        original = first.sha256_before if first else sha256_or_none(change.before)
+        records[change.path] = FileRecord(change.path, original, sha256_or_none(change.after))
+    if not records:
+        return None
+    return Manifest(plan.sglang_version, tuple(records[p] for p in sorted(records)))

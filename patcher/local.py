@@ -16,9 +16,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from patcher.engine import SNAPSHOT_PATHS, Plan
+from patcher.engine import SNAPSHOT_PATHS, Plan, next_manifest
 from patcher.errors import DynspecError, RefusedError, UsageError
-from patcher.manifest import MANIFEST_NAME, STATE_DIR_NAME, FileRecord, Manifest, sha256_or_none
+from patcher.manifest import MANIFEST_NAME, STATE_DIR_NAME, FileRecord, Manifest
 from transforms.native_adaptive import CONFIG_FILE_NAME
 
 
@@ -144,25 +144,20 @@ def _record(package: Path, plan: Plan) -> None:
     """Keep the manifest (and backups of originals) in step with what was written."""
     directory = state_dir(package)
     previous = read_manifest(package)
-    records: dict[str, FileRecord] = previous.by_path() if previous else {}
+    known = previous.by_path() if previous else {}
     for change in plan.changes:
-        first = records.get(change.path)
-        original = first.sha256_before if first else sha256_or_none(change.before)
-        if plan.operation == "revert":
-            records.pop(change.path, None)
-            (directory / "originals" / change.path).unlink(missing_ok=True)
-            continue
-        records[change.path] = FileRecord(change.path, original, sha256_or_none(change.after))
         backup = directory / "originals" / change.path
-        if first is None and change.before is not None and not backup.exists():
+        if plan.operation == "revert":
+            backup.unlink(missing_ok=True)
+        elif change.path not in known and change.before is not None and not backup.exists():
             backup.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(backup, change.before)
+    manifest = next_manifest(previous, plan)
     manifest_path = directory / MANIFEST_NAME
-    if not records:
+    if manifest is None:
         manifest_path.unlink(missing_ok=True)
         return
     directory.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(plan.sglang_version, tuple(records[p] for p in sorted(records)))
     _atomic_write(manifest_path, manifest.to_bytes())
 
 

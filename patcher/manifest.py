@@ -37,7 +37,6 @@ class Manifest:
     tool_version: str = TOOL_VERSION
     created: float = field(default_factory=time.time)
     user: str = field(default_factory=getpass.getuser)
-    restart_pending: bool = False
 
     def by_path(self) -> dict[str, FileRecord]:
         return {record.path: record for record in self.files}
