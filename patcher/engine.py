@@ -39,6 +39,7 @@ THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
 
 Snapshot = Mapping[str, bytes | None]
 
+_PREPARE_WITH_PAGE_SIZE = re.compile(r"def prepare_for_verify\(self, batch[^)]*page_size")
 _VERSION_RE = re.compile(
     r"""^__version__\s*=\s*(?:version\s*=\s*)?(?:\w+\s*=\s*)?["']([^"']+)["']""", re.M
 )
@@ -150,9 +151,14 @@ def _route(snapshot: Snapshot, v2_facts: Mapping[str, object]) -> tuple[str, str
         if "eagle_verify_retrive" in kernels:
             return "unsupported", (
                 "greedy verify uses the Triton eagle_verify_retrive kernel, which reads out of "
-                "bounds for a one-node tree (releases before 0.4.4)"
+                "bounds for a one-node tree (releases before 0.4.4.post2)"
             )
         return "unsupported", "verify kernel not recognised (no verify_tree_greedy)"
+    if not _PREPARE_WITH_PAGE_SIZE.search(kernels):
+        return "unsupported", (
+            "EagleVerifyInput.prepare_for_verify takes no page_size (before 0.4.4.post4): "
+            "the runtime cannot allocate its one-node tree there"
+        )
     return "patch", "speculative workers present and patchable (0.4.4 – 0.5.13.post1 layout)"
 
 

@@ -169,3 +169,18 @@ def test_host_spec_is_split_into_user_host_and_port(spec, host, port, user):
 def test_bad_host_spec_is_a_usage_error(capsys):
     assert run(["status", "--host", "gpu:notaport"]) == 2
     assert "--host must be [user@]host[:port]" in capsys.readouterr().err
+
+
+def test_prepare_for_verify_without_page_size_is_unsupported():
+    from patcher.engine import plan_apply
+
+    snapshot = local.read_snapshot(release_dir(find_pin("0.4.6.post5")))
+    utils = "srt/speculative/eagle_utils.py"
+    older = snapshot[utils].replace(
+        b"def prepare_for_verify(self, batch: ScheduleBatch, page_size: int)",
+        b"def prepare_for_verify(self, batch: ScheduleBatch)",
+    )
+    assert older != snapshot[utils]
+    plan = plan_apply(snapshot | {utils: older})
+    assert plan.route == "unsupported" and "page_size" in plan.reason
+    assert plan_apply(snapshot).route == "patch"

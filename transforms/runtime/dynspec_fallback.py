@@ -21,6 +21,7 @@ patcher's static probe and by CPU tests.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -424,18 +425,22 @@ def resolve_needs(
 
 
 def tuple_return_arity(source: str) -> int | None:
-    """Length of the tuples a (dedented) method returns; None when absent or inconsistent.
+    """Length of the tuples a (dedented) method mostly returns; None when absent or a tie.
 
     The 0.4.x entry returns a tuple whose length changed between releases (4, then 5 with
     ``can_run_cuda_graph``); the fallback must return the same shape the scheduler unpacks.
+    The majority decides because 0.4.4.post2 – 0.4.6.post3 return a 5-tuple from their
+    DP-only idle branch alone, while decode and extend return the 4 the scheduler unpacks.
     """
     tree = ast.parse(textwrap.dedent(source))
-    lengths = {
+    counts = collections.Counter(
         len(node.value.elts)
         for node in ast.walk(tree)
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
-    }
-    return lengths.pop() if len(lengths) == 1 else None
+    ).most_common(2)
+    if not counts or (len(counts) == 2 and counts[0][1] == counts[1][1]):
+        return None
+    return counts[0][0]
 
 
 # --------------------------------------------------------------------------------------------
