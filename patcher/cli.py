@@ -196,13 +196,24 @@ def detect_path(
         )
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
+    snapshot = local.read_snapshot(package)
+    plan = plan_status(snapshot)
     extra = {
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
+        "runtime": _runtime_fit(package, snapshot) if plan.route == "patch" else "n/a",
         "recommended": _recommendation(plan),
     }
     _finish(plan, as_json, extra=extra)
+
+
+def _runtime_fit(package: Path, snapshot: dict[str, bytes | None]) -> str:
+    """Whether the runtime module finds every SGLang name it needs here (else it stays off)."""
+    report = probe_directory(package, patchable_workers(snapshot))
+    missing = [check.name for check in report.checks if not check.found]
+    if not missing:
+        return f"all {len(report.checks)} names the runtime needs are present"
+    return f"the runtime would stay off here; missing: {', '.join(missing[:3])} (see probe)"
 
 
 def _recommendation(plan: Plan) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,11 @@ def test_probe_command_exit_codes(scratch, capsys):
     capsys.readouterr()
     assert run(["probe", "--sglang-root", str(info / "sglang"), "--json"]) == 1
     assert '"found": false' in capsys.readouterr().out
+    assert run(["detect-path", "--sglang-root", str(info / "sglang"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"].startswith("the runtime would stay off")
+    good = release_dir(find_pin("0.5.10.post1"))
+    assert run(["detect-path", "--sglang-root", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"].startswith("all ")
 
 
 @pytest.mark.parametrize(
