@@ -69,6 +69,15 @@ AcceptNewHostKey = Annotated[
     ),
 ]
 ConnectTimeout = Annotated[float, typer.Option(help="(--host) Seconds to wait for SSH.")]
+NoRestart = Annotated[
+    bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
+]
+RestartCmd = Annotated[str | None, typer.Option(help="(--host) Restart with this command.")]
+ServerPid = Annotated[int | None, typer.Option("--pid", help="(--host) The server process.")]
+ServerPort = Annotated[int | None, typer.Option("--port", help="(--host) The server port.")]
+HealthTimeout = Annotated[
+    float, typer.Option(help="(--host) Seconds to wait for the restarted server's health.")
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
 
@@ -173,8 +182,8 @@ def detect_path(
     ssh_config: SshConfig = None,
     accept_new_host_key: AcceptNewHostKey = False,
     connect_timeout: ConnectTimeout = 15.0,
-    pid: Annotated[int | None, typer.Option(help="The server process to read (--host).")] = None,
-    port: Annotated[int | None, typer.Option(help="The server port to read (--host).")] = None,
+    pid: ServerPid = None,
+    port: ServerPort = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Which release is installed, which worker runs, and the patch state of every file."""
@@ -245,17 +254,11 @@ def apply(
         int | None, typer.Option(help="--speculative-num-steps of the server (native route).")
     ] = None,
     dry_run: DryRun = False,
-    no_restart: Annotated[
-        bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
-    ] = False,
-    restart_cmd: Annotated[
-        str | None, typer.Option(help="(--host) Restart with this command.")
-    ] = None,
-    pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
-    port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
-    health_timeout: Annotated[
-        float, typer.Option(help="(--host) Seconds to wait for health.")
-    ] = 1200.0,
+    no_restart: NoRestart = False,
+    restart_cmd: RestartCmd = None,
+    pid: ServerPid = None,
+    port: ServerPort = None,
+    health_timeout: HealthTimeout = 1200.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
@@ -305,17 +308,11 @@ def revert(
     force: Annotated[
         bool, typer.Option("--force", help="Revert even if a file changed since apply.")
     ] = False,
-    no_restart: Annotated[
-        bool, typer.Option("--no-restart", help="(--host) Leave the restart pending.")
-    ] = False,
-    restart_cmd: Annotated[
-        str | None, typer.Option(help="(--host) Restart with this command.")
-    ] = None,
-    pid: Annotated[int | None, typer.Option(help="(--host) The server process.")] = None,
-    port: Annotated[int | None, typer.Option(help="(--host) The server port.")] = None,
-    health_timeout: Annotated[
-        float, typer.Option(help="(--host) Seconds to wait for health.")
-    ] = 1200.0,
+    no_restart: NoRestart = False,
+    restart_cmd: RestartCmd = None,
+    pid: ServerPid = None,
+    port: ServerPort = None,
+    health_timeout: HealthTimeout = 1200.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Put every patched file back to its original bytes."""

@@ -349,6 +349,38 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
             "verified_through_ssh_tunnel": verified}
 
 
+def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | None,
+                       argv: list[str] | None, expect: Mapping[str, Any], *, changed: bool,
+                       stale: str, not_needed: str, no_restart: bool, restart_cmd: str | None,
+                       health_timeout: float, base_dir: str | None,
+                       stop_timeout: float) -> dict[str, Any] | str:
+    """Restart when files changed, a restart was pending, or the server does not prove
+    ``expect`` (``stale``); with ``--no-restart`` (or no server) leave a pending mark."""
+    reasons = []
+    if changed:
+        reasons.append("files changed")
+    if facts.pending:
+        reasons.append("a restart was pending")
+    if server is not None and not proof_holds(server.info, expect):
+        reasons.append(stale)
+    if server is not None and argv != list(server.argv) and not restart_cmd:
+        reasons.append("the launch flags change")
+    if not reasons:
+        return "not needed: " + not_needed
+    if no_restart or server is None:
+        if not changed and not facts.pending:
+            s.agent.request("write_file", {"state_dir": facts.state_dir, "name": PENDING_NAME,
+                                           "data": _b64(json.dumps(_pending_mark(
+                                               "; ".join(reasons), argv)).encode())})
+        return "pending (--no-restart): " + "; ".join(reasons)
+    assert argv is not None
+    done = _restart(s, facts, server, argv, restart_cmd=restart_cmd,
+                    health_timeout=health_timeout, expect=expect, base_dir=base_dir,
+                    stop_timeout=stop_timeout)
+    done["why"] = "; ".join(reasons)
+    return done
+
+
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
@@ -400,32 +432,13 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         changed = True
     result["files_changed"] = [c.path for c in plan.changes]
     expect = expectations(plan, threshold, config_path)
-    reasons = []
-    if changed:
-        reasons.append("files changed")
-    if facts.pending:
-        reasons.append("a restart was pending")
-    if server is not None and not proof_holds(server.info, expect):
-        reasons.append("the running server does not report " + json.dumps(expect))
-    if server is not None and argv != list(server.argv) and not restart_cmd:
-        reasons.append("the launch flags change")
-    if not reasons:
-        result["restart"] = "not needed: files already patched and the server reports " + \
-            json.dumps(expect)
-        return result
-    if no_restart or server is None:
-        if not changed and not facts.pending:
-            s.agent.request("write_file", {"state_dir": facts.state_dir, "name": PENDING_NAME,
-                                           "data": _b64(json.dumps(_pending_mark(
-                                               "; ".join(reasons), argv)).encode())})
-        result["restart"] = "pending (--no-restart): " + "; ".join(reasons)
-        return result
-    assert argv is not None
-    result["restart"] = _restart(
-        s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
-        expect=expect, base_dir=facts.state_dir if plan.route == "native" else package,
+    result["restart"] = _restart_if_needed(
+        s, facts, server, argv, expect, changed=changed,
+        stale="the running server does not report " + json.dumps(expect),
+        not_needed="files already patched and the server reports " + json.dumps(expect),
+        no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
+        base_dir=facts.state_dir if plan.route == "native" else package,
         stop_timeout=stop_timeout)
-    result["restart"]["why"] = "; ".join(reasons)
     return result
 
 
@@ -474,31 +487,12 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
         _stage_and_commit(s, facts, base, plan.changes, manifest=manifest,
                           keep_manifest=route == "native", action="revert", argv=argv)
     result["files_changed"] = [c.path for c in plan.changes]
-    reasons = []
-    if changed:
-        reasons.append("files changed")
-    if facts.pending:
-        reasons.append("a restart was pending")
-    if server is not None and not proof_holds(server.info, expect):
-        reasons.append("the running server still runs the patch")
-    if server is not None and argv != list(server.argv) and not restart_cmd:
-        reasons.append("the launch flags change")
-    if not reasons:
-        result["restart"] = "not needed: nothing was patched"
-        return result
-    if no_restart or server is None:
-        if not changed and not facts.pending:
-            s.agent.request("write_file", {"state_dir": facts.state_dir, "name": PENDING_NAME,
-                                           "data": _b64(json.dumps(_pending_mark(
-                                               "; ".join(reasons), argv)).encode())})
-        result["restart"] = "pending (--no-restart): " + "; ".join(reasons)
-        return result
-    assert argv is not None
-    result["restart"] = _restart(
-        s, facts, server, argv, restart_cmd=restart_cmd, health_timeout=health_timeout,
-        expect=expect, base_dir=facts.state_dir if route == "native" else package,
+    result["restart"] = _restart_if_needed(
+        s, facts, server, argv, expect, changed=changed,
+        stale="the running server still runs the patch", not_needed="nothing was patched",
+        no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
+        base_dir=facts.state_dir if route == "native" else package,
         stop_timeout=stop_timeout)
-    result["restart"]["why"] = "; ".join(reasons)
     return result
 
 
