@@ -79,3 +79,23 @@ def test_cli_unreachable_host_is_exit_1(sshd, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DYNSPEC_SSH_CONFIG", str(cfg))
     assert cli.run(["status", "--host", "dead"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_cli_connection_options_and_host_key_policy(sshd, tmp_path, monkeypatch, capsys):
+    empty_config = tmp_path / "ssh_config"
+    empty_config.write_text("")
+    monkeypatch.setenv("DYNSPEC_SSH_CONFIG", str(empty_config))
+    fresh = tmp_path / "known_hosts"
+    fresh.write_text("")
+    base = ["status", "--host", f"{OP_USER}@127.0.0.1:{sshd.port}",
+            "--identity-file", str(sshd.client_key)]
+
+    assert cli.run([*base, "--known-hosts", str(fresh)]) == 3  # unknown key: refused
+    assert "not in known_hosts" in capsys.readouterr().err
+    assert fresh.read_text() == ""
+
+    assert cli.run([*base, "--known-hosts", str(fresh), "--accept-new-host-key"]) == 0
+    assert fresh.read_text().strip()  # recorded on first sight
+    capsys.readouterr()
+    assert cli.run([*base, "--known-hosts", str(fresh)]) == 0  # and trusted from then on
+    assert cli.run([*base, "--known-hosts", str(sshd.known_hosts)]) == 0
