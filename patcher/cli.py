@@ -280,8 +280,9 @@ def apply(
         return
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
+    snapshot = local.read_snapshot(package)
     plan = plan_apply(
-        local.read_snapshot(package),
+        snapshot,
         worker=worker,
         threshold=threshold,
         num_steps=num_steps,
@@ -292,7 +293,11 @@ def apply(
         local.write_plan(package, plan)
         if plan.native:
             local.write_native_config(package, plan.native.config)
-    _finish(plan, as_json, dry_run, {"sglang_dir": str(package), "dry_run": dry_run})
+    extra: dict[str, Any] = {"sglang_dir": str(package), "dry_run": dry_run}
+    if plan.route == "patch" and not plan.refused:
+        # The patch is harmless where the runtime lacks a name (it stays off), but useless.
+        extra["runtime"] = _runtime_fit(package, snapshot)
+    _finish(plan, as_json, dry_run, extra)
 
 
 @app.command()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from patcher.cli import run
-from patcher.releases import Pin, load_pins
+from patcher.releases import Pin, load_pins, release_dir
 from transforms.markers import TOOL_VERSION, marker_comment
 
 PINS = load_pins()
@@ -171,6 +171,15 @@ def test_dry_run_writes_nothing(pin, scratch, snapshot_tree, capsys):
     assert snapshot_tree(package.parent) == before
     assert run(["apply", "--sglang-root", str(package), "--dry-run"]) in (0, 3)
     assert snapshot_tree(package.parent) == before
+
+
+@pytest.mark.parametrize("pin", PATCHABLE, ids=lambda p: p.version)
+def test_apply_reports_that_the_runtime_finds_every_name(pin, capsys):
+    # The whole unpacked release (read-only: a dry run), since the probe follows imports.
+    package = release_dir(pin)
+    code, result = apply(capsys, package, pin, "--dry-run")
+    assert code == 0
+    assert result["runtime"].startswith("all "), result["runtime"]  # the hook is not inert
 
 
 @pytest.mark.parametrize("pin", UNSUPPORTED, ids=lambda p: p.version)
