@@ -159,7 +159,7 @@ def _route(snapshot: Snapshot, v2_facts: Mapping[str, object]) -> tuple[str, str
             "EagleVerifyInput.prepare_for_verify takes no page_size (before 0.4.4.post4): "
             "the runtime cannot allocate its one-node tree there"
         )
-    return "patch", "speculative workers present and patchable (0.4.4 – 0.5.13.post1 layout)"
+    return "patch", "speculative workers present and patchable (0.4.4.post4 – 0.5.13.post1 layout)"
 
 
 def _selected_workers(
