@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from patcher import checks, local
-from patcher.engine import Plan, patchable_workers, plan_apply, plan_revert, plan_status
+from patcher.engine import Plan, plan_apply, plan_revert, plan_status
 from patcher.errors import DynspecError, RefusedError, UsageError
 from patcher.releases import copy_release, find_pin, load_pins
 from transforms.markers import TOOL_VERSION
@@ -167,6 +167,18 @@ def _finish(
         raise RefusedError(plan.refusal_reason)
 
 
+def _write_and_finish(
+    package: Path, plan: Plan, as_json: bool, dry_run: bool, extra: dict[str, Any] | None = None
+) -> None:
+    """Write a local plan (unless a dry run or refused), then report it."""
+    if not dry_run and not plan.refused:
+        local.write_plan(package, plan)
+        if plan.native:
+            local.write_native_config(package, plan.native.config)
+    report = {"sglang_dir": str(package), "dry_run": dry_run} | (extra or {})
+    _finish(plan, as_json, dry_run, report)
+
+
 def _remote() -> Any:
     from patcher import remote_commands  # paramiko is only loaded for --host
 
@@ -205,20 +217,19 @@ def detect_path(
         )
         return
     package = _package(sglang_root)
-    snapshot = local.read_snapshot(package)
-    plan = plan_status(snapshot)
+    plan = plan_status(local.read_snapshot(package))
     extra = {
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
-        "runtime": _runtime_fit(package, snapshot) if plan.route == "patch" else "n/a",
+        "runtime": _runtime_fit(package, plan) if plan.route == "patch" else "n/a",
         "recommended": _recommendation(plan),
     }
     _finish(plan, as_json, extra=extra)
 
 
-def _runtime_fit(package: Path, snapshot: dict[str, bytes | None]) -> str:
+def _runtime_fit(package: Path, plan: Plan) -> str:
     """Whether the runtime module finds every SGLang name it needs here (else it stays off)."""
-    report = probe_directory(package, patchable_workers(snapshot))
+    report = probe_directory(package, plan.patchable_workers)
     missing = [check.name for check in report.checks if not check.found]
     if not missing:
         return f"all {len(report.checks)} names the runtime needs are present"
@@ -280,24 +291,19 @@ def apply(
         return
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
-    snapshot = local.read_snapshot(package)
     plan = plan_apply(
-        snapshot,
+        local.read_snapshot(package),
         worker=worker,
         threshold=threshold,
         num_steps=num_steps,
         native_config_path=config_path,
         recorded=local.recorded_files(package),
     )
-    if not dry_run and not plan.refused:
-        local.write_plan(package, plan)
-        if plan.native:
-            local.write_native_config(package, plan.native.config)
-    extra: dict[str, Any] = {"sglang_dir": str(package), "dry_run": dry_run}
+    extra: dict[str, Any] = {}
     if plan.route == "patch" and not plan.refused:
         # The patch is harmless where the runtime lacks a name (it stays off), but useless.
-        extra["runtime"] = _runtime_fit(package, snapshot)
-    _finish(plan, as_json, dry_run, extra)
+        extra["runtime"] = _runtime_fit(package, plan)
+    _write_and_finish(package, plan, as_json, dry_run, extra)
 
 
 @app.command()
@@ -340,9 +346,7 @@ def revert(
     plan = plan_revert(
         local.read_snapshot(package), recorded=local.recorded_files(package), force=force
     )
-    if not dry_run and not plan.refused:
-        local.write_plan(package, plan)
-    _finish(plan, as_json, dry_run, {"sglang_dir": str(package), "dry_run": dry_run})
+    _write_and_finish(package, plan, as_json, dry_run)
 
 
 @app.command()
@@ -436,11 +440,10 @@ def check_pins(
 def probe(sglang_root: SglangRoot = None, as_json: JsonFlag = False) -> None:
     """List every name the runtime module needs in this tree, and whether it is there."""
     package = _package(sglang_root)
-    snapshot = local.read_snapshot(package)
-    status_plan = plan_status(snapshot)
+    status_plan = plan_status(local.read_snapshot(package))
     if status_plan.route != "patch":
         raise RefusedError(f"not a patchable release ({status_plan.route}): {status_plan.reason}")
-    report = probe_directory(package, patchable_workers(snapshot))
+    report = probe_directory(package, status_plan.patchable_workers)
     if as_json:
         _print_json({"sglang_version": status_plan.sglang_version} | report.to_json())
     else:

@@ -87,6 +87,7 @@ class Plan:
     files: tuple[FileChange, ...] = ()
     native: NativeConfig | None = None
     server_flags: tuple[str, ...] = field(default=())
+    patchable_workers: tuple[str, ...] = ()  # present, and accepted by their codemod
 
     @property
     def refused(self) -> bool:
@@ -275,7 +276,13 @@ def plan_apply(
         files = [_as_not_written(f) for f in files]
     flags = (THRESHOLD_FLAG, str(threshold)) if threshold is not None else ()
     return Plan(
-        "apply", version, route, f"{reason}; workers: {why}", tuple(files), server_flags=flags
+        "apply",
+        version,
+        route,
+        f"{reason}; workers: {why}",
+        tuple(files),
+        server_flags=flags,
+        patchable_workers=_patchable_workers(analyses),
     )
 
 
@@ -343,13 +350,12 @@ def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
     return FileChange.kept(path, data, label, "unchanged", reason)
 
 
-def patchable_workers(snapshot: Snapshot) -> tuple[str, ...]:
+def _patchable_workers(analyses: _Analyses) -> tuple[str, ...]:
     """The workers (v1, v2) present in the tree that the codemods would accept."""
-    analyses = _Analyses(snapshot)
     return tuple(
         name
         for name, codemod_class in WORKER_CODEMODS.items()
-        if snapshot.get(codemod_class.PATH) is not None
+        if analyses.snapshot.get(codemod_class.PATH) is not None
         and analyses.of(codemod_class()).refusal is None  # type: ignore[attr-defined]
     )
 
@@ -368,7 +374,14 @@ def plan_status(snapshot: Snapshot) -> Plan:
     for codemod_class in WORKER_CODEMODS.values():
         if snapshot.get(codemod_class.PATH) is not None:
             files.append(_status_one(codemod_class(), analyses))
-    return Plan("status", version, route, reason, tuple(files))
+    return Plan(
+        "status",
+        version,
+        route,
+        reason,
+        tuple(files),
+        patchable_workers=_patchable_workers(analyses),
+    )
 
 
 def next_manifest(previous: Manifest | None, plan: Plan) -> Manifest | None:
