@@ -381,15 +381,21 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
     return done
 
 
-def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
-          restart_cmd: str | None, pid: int | None, port: int | None,
-          health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
+               no_restart: bool) -> tuple[HostFacts, ServerProcess | None, str, str]:
+    """Facts (locked unless a dry run), the server to act on, the package and config path."""
     facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
     s.step("facts")
     server = choose_server(facts, required=not (dry_run or no_restart))
     package = _require_package(facts)
     assert facts.state_dir is not None
-    config_path = posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
+    return facts, server, package, posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
+
+
+def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
+          restart_cmd: str | None, pid: int | None, port: int | None,
+          health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+    facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
     eff = facts.effective.values if facts.effective else {}
     live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
     bs = eff.get("cuda_graph_bs")
@@ -445,12 +451,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
            health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
-    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
-    s.step("facts")
-    server = choose_server(facts, required=not (dry_run or no_restart))
-    package = _require_package(facts)
-    assert facts.state_dir is not None
-    config_path = posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
+    facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
     route = plan_status(facts.snapshot).route
     if route == "native":
         old = facts.state_files.get(CONFIG_FILE_NAME)
