@@ -28,3 +28,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "torch" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_adapters():
+    """Every test resolves its adapter anew (production resolves once per process)."""
+    from transforms.runtime import dynspec_fallback
+
+    dynspec_fallback.reset_for_tests()
+    yield
+    dynspec_fallback.reset_for_tests()

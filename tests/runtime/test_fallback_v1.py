@@ -4,25 +4,10 @@ import logging
 
 import pytest
 
+from tests.runtime.releases import V1_RELEASES
 from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
-
-V1_RELEASES = [
-    "0.4.6.post5",
-    "0.4.10.post2",
-    "0.5.3.post1",
-    "0.5.5.post2",
-    "0.5.10.post1",
-    "0.5.12.post1",
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_adapters():
-    dyn.reset_for_tests()
-    yield
-    dyn.reset_for_tests()
 
 
 @pytest.fixture(scope="module")

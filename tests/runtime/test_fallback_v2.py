@@ -4,19 +4,12 @@ import logging
 
 import pytest
 
+from tests.runtime.releases import V2_RELEASES
 from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
 
-V2_RELEASES = ["0.5.5.post2", "0.5.10.post1", "0.5.12.post1", "0.5.13.post1"]
 STRIDE = 4  # the stand-in worker's speculative_num_draft_tokens
-
-
-@pytest.fixture(autouse=True)
-def _fresh_adapters():
-    dyn.reset_for_tests()
-    yield
-    dyn.reset_for_tests()
 
 
 @pytest.fixture(scope="module")

@@ -2,42 +2,15 @@
 
 import pytest
 
+from tests.runtime.releases import V1_RELEASES, V2_RELEASES
 from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
 
-V1_RELEASES = [
-    "0.4.6.post5",
-    "0.4.10.post2",
-    "0.5.3.post1",
-    "0.5.5.post2",
-    "0.5.10.post1",
-    "0.5.12.post1",
-]
-V2_RELEASES = ["0.5.5.post2", "0.5.10.post1", "0.5.12.post1", "0.5.13.post1"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_adapters():
-    dyn.reset_for_tests()
-    yield
-    dyn.reset_for_tests()
-
 
 @pytest.mark.parametrize(
     ("version", "variant"),
-    [
-        (v, "v1")
-        for v in (
-            "0.4.6.post5",
-            "0.4.10.post2",
-            "0.5.3.post1",
-            "0.5.5.post2",
-            "0.5.10.post1",
-            "0.5.12.post1",
-        )
-    ]
-    + [(v, "v2") for v in V2_RELEASES],
+    [(v, "v1") for v in V1_RELEASES] + [(v, "v2") for v in V2_RELEASES],
 )
 def test_live_adapter_and_static_probe_pick_the_same_names(version, variant):
     from patcher.releases import find_pin, release_dir
