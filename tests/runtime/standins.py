@@ -548,6 +548,7 @@ class _TargetWorker:
             input_ids=mwb.input_ids.clone(),
             out_cache_loc=mwb.out_cache_loc.clone(),
             graph=getattr(self.model_runner, world.shape.graph_attr),
+            attn_backend=getattr(self.model_runner, "attn_backend", None),
         )
         if self.fail_with is not None:
             raise self.fail_with

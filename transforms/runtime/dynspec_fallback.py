@@ -26,9 +26,12 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import itertools
 import logging
+import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -204,7 +207,7 @@ _COMMON_NEEDS: tuple[Need, ...] = (
         "graph_attr",
         "runner_attr",
         ("graph_runner", "cuda_graph_runner", "decode_cuda_graph_runner"),
-        why="bypassed: the captured graph is TARGET_VERIFY",
+        why="swapped for DECODE graphs during a fallback step: its graphs are TARGET_VERIFY",
     ),
     Need("moe_ctx", "module", ("speculative_moe_backend_context",), optional=True),
     Need("moe_a2a_ctx", "module", ("speculative_moe_a2a_backend_context",), optional=True),
@@ -464,6 +467,10 @@ class Adapter:
     tuple_arity: int | None = None
     # Whether grammar batches can take the fallback (the release can mask the one-node tree).
     grammar: bool = False
+    # The target's DECODE graphs (None: fallback target forwards run eagerly), and why.
+    decode_graphs: DecodeGraphs | None = None
+    decode_graphs_note: str = ""
+    profiler: StepProfiler | _NoProfiler | None = None
 
     def cls(self, key: str) -> Any:
         """The worker-module global a need resolved to."""
@@ -672,6 +679,8 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         _warn_rank0(worker, str(exc))
         _adapters[type(worker)] = _OFF
         return None
+    adapter.profiler = _make_profiler(worker)
+    _prepare_decode_graphs(adapter, worker, worker.target_worker)
     _adapters[type(worker)] = adapter
     return adapter
 
@@ -682,19 +691,239 @@ def reset_for_tests() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Shared helpers
+# Target DECODE graphs: a fallback step's target forward at plain-decoding speed
 # --------------------------------------------------------------------------------------------
+
+# "0" turns the DECODE graphs off: fallback target forwards then run eagerly (diagnostics).
+DECODE_GRAPHS_ENV = "DYNSPEC_DECODE_GRAPHS"
+
+
+@dataclass
+class DecodeGraphs:
+    """The target's DECODE CUDA graphs and the attention backend they were captured on."""
+
+    runner: Any
+    attn_backend: Any
+    batch_sizes: list[int]
 
 
 @contextlib.contextmanager
-def bypass_target_graph(model_runner: Any, attr: str) -> Iterator[None]:
-    """Run the target eagerly: its captured graph is TARGET_VERIFY, not DECODE."""
-    saved = getattr(model_runner, attr)
-    setattr(model_runner, attr, None)
+def _attributes_set(obj: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Set attributes of ``obj`` for the block, restoring the previous values afterwards."""
+    saved = {name: getattr(obj, name) for name in values}
     try:
+        for name, value in values.items():
+            setattr(obj, name, value)
         yield
     finally:
-        setattr(model_runner, attr, saved)
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+def _new_attention_backend(model_runner: Any) -> Any:
+    """A second attention backend of the target's kind, with buffers of its own.
+
+    ``init_cuda_graph_state`` of a backend reallocates the buffers its captured graphs read,
+    so the DECODE graphs must not share the backend of the TARGET_VERIFY graphs.
+    """
+    restore = {}
+    if hasattr(model_runner, "init_new_workspace"):
+        restore["init_new_workspace"] = model_runner.init_new_workspace
+    with _attributes_set(model_runner, restore):
+        factory = getattr(model_runner, "_get_attention_backend", None)
+        if factory is not None:
+            if "init_new_workspace" in inspect.signature(factory).parameters:
+                return factory(init_new_workspace=True)
+            return factory()
+        # 0.4.x: init_attention_backend() builds one and stores it on the runner.
+        with _attributes_set(model_runner, {"attn_backend": model_runner.attn_backend}):
+            model_runner.init_attention_backend()
+            return model_runner.attn_backend
+
+
+def capture_decode_graphs(
+    model_runner: Any, graph_attr: str, min_batch_size: int
+) -> tuple[DecodeGraphs | None, str]:
+    """Capture DECODE graphs (FULL hidden capture) for the target; (None, why) if not possible.
+
+    SGLang's own graph runner class is constructed while the runner looks non-speculative, on a
+    new attention backend, with ``enable_return_hidden_states`` on so the graphs return the
+    hidden states the draft-extend needs (no recapture at the first fallback step), and only
+    for the CUDA-graph batch sizes >= ``min_batch_size`` (smaller batches pad up to the first).
+    """
+    verify_graphs = getattr(model_runner, graph_attr, None)
+    if verify_graphs is None:
+        return None, "CUDA graphs are off on this server"
+    args = model_runner.server_args
+    if not hasattr(args, "enable_return_hidden_states"):
+        return None, "this SGLang cannot capture hidden states in graphs"
+    non_speculative = getattr(type(model_runner.spec_algorithm), "NONE", None)
+    if non_speculative is None:
+        return None, "SpeculativeAlgorithm has no NONE"
+    arg_values: dict[str, Any] = {"enable_return_hidden_states": True}
+    batch_sizes = getattr(args, "cuda_graph_bs", None)
+    if isinstance(batch_sizes, list) and batch_sizes:
+        above = sorted({b for b in batch_sizes if b >= min_batch_size})
+        arg_values["cuda_graph_bs"] = above or [max(batch_sizes)]
+    backend = _new_attention_backend(model_runner)
+    runner_values = {"spec_algorithm": non_speculative, "attn_backend": backend}
+    with _attributes_set(args, arg_values), _attributes_set(model_runner, runner_values):
+        runner = type(verify_graphs)(model_runner)
+    captured = sorted(int(b) for b in getattr(runner, "capture_bs", []))
+    return DecodeGraphs(runner=runner, attn_backend=backend, batch_sizes=captured), ""
+
+
+def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) -> None:
+    """Capture the target DECODE graphs once per process; failures leave eager forwards."""
+    if os.environ.get(DECODE_GRAPHS_ENV, "1").strip() == "0":
+        adapter.decode_graphs_note = f"off ({DECODE_GRAPHS_ENV}=0): eager target forwards"
+        return
+    log = _rank0_logger(worker)
+    started = time.perf_counter()
+    try:
+        graphs, why = capture_decode_graphs(
+            target_worker.model_runner,
+            adapter.name("graph_attr"),
+            adapter.controller.resume_below,
+        )
+    except Exception as exc:  # capture failed: stay correct, run the target eagerly
+        graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
+    if graphs is None:
+        adapter.decode_graphs_note = f"eager target forwards ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] fallback target DECODE graphs not used: {why}"
+        )
+        return
+    adapter.decode_graphs = graphs
+    adapter.decode_graphs_note = f"DECODE graphs for bs {graphs.batch_sizes}"
+    log(
+        f"[dynspec] captured target DECODE graphs for bs {graphs.batch_sizes} in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+
+
+@contextlib.contextmanager
+def target_decode_mode(model_runner: Any, graph_attr: str, graphs: DecodeGraphs | None):
+    """Route the target's next forward to the DECODE graphs, or run it eagerly without any.
+
+    The captured graph under ``graph_attr`` is TARGET_VERIFY, which a DECODE batch must never
+    replay; the attention backend is swapped too, since forward batches and graph replays
+    read ``model_runner.attn_backend``.
+    """
+    if graphs is None:
+        values = {graph_attr: None}
+    else:
+        values = {graph_attr: graphs.runner, "attn_backend": graphs.attn_backend}
+    with _attributes_set(model_runner, values):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Step profiler: where a fallback step's time goes (CUDA events, off unless asked for)
+# --------------------------------------------------------------------------------------------
+
+# N > 0: log the mean per-phase times of fallback steps every N fallback steps.
+PROFILE_ENV = "DYNSPEC_PROFILE"
+
+
+class StepProfiler:
+    """Per-phase GPU times (CUDA events) and host times of fallback steps, by batch size.
+
+    Marks are recorded without synchronising; every ``every`` steps the oldest pending step
+    is resolved with one ``synchronize`` on its last event, so the overlap scheduler keeps
+    running ahead except at those rare points.
+    """
+
+    def __init__(self, every: int, log: Callable[[str], None]) -> None:
+        self.every = every
+        self._log = log
+        self._pending: list[tuple[int, list[tuple[str, Any, float]]]] = []
+        self._current: list[tuple[str, Any, float]] | None = None
+        self._bs = 0
+        self._sums: dict[int, dict[str, list[float]]] = {}
+        self._steps = 0
+
+    def start(self, batch_size: int, device: Any) -> None:
+        self._device = device
+        self._bs = batch_size
+        self._current = []
+        self.mark("start")
+
+    def mark(self, phase: str) -> None:
+        if self._current is None:
+            return
+        event = None
+        if getattr(self._device, "type", "cpu") == "cuda":
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._current.append((phase, event, time.perf_counter()))
+
+    def finish(self) -> None:
+        if self._current is None:
+            return
+        self.mark("end")
+        self._pending.append((self._bs, self._current))
+        self._current = None
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self._resolve_all()
+            self._report()
+
+    def _resolve_all(self) -> None:
+        for bs, marks in self._pending:
+            last_event = marks[-1][1]
+            if last_event is not None:
+                last_event.synchronize()
+            sums = self._sums.setdefault(bs, {})
+            for (_, ev0, t0), (phase, ev1, t1) in itertools.pairwise(marks):
+                gpu_ms = ev0.elapsed_time(ev1) if ev0 is not None else 0.0
+                entry = sums.setdefault(phase, [0.0, 0.0, 0.0])
+                entry[0] += gpu_ms
+                entry[1] += (t1 - t0) * 1000.0
+                entry[2] += 1
+        self._pending.clear()
+
+    def summary(self) -> dict[int, dict[str, tuple[float, float]]]:
+        """{batch size: {phase: (mean GPU ms, mean host ms)}} of the steps resolved so far."""
+        return {
+            bs: {phase: (v[0] / v[2], v[1] / v[2]) for phase, v in phases.items()}
+            for bs, phases in sorted(self._sums.items())
+        }
+
+    def _report(self) -> None:
+        for bs, phases in self.summary().items():
+            steps = int(next(iter(self._sums[bs].values()))[2])
+            parts = " ".join(f"{p}={g:.3f}/{h:.3f}" for p, (g, h) in phases.items())
+            total_gpu = sum(g for g, _ in phases.values())
+            total_host = sum(h for _, h in phases.values())
+            self._log(
+                f"[dynspec] profile bs={bs} steps={steps} gpu/host ms: {parts} "
+                f"total={total_gpu:.3f}/{total_host:.3f}"
+            )
+
+
+class _NoProfiler:
+    def start(self, batch_size: int, device: Any) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _make_profiler(worker: Any) -> StepProfiler | _NoProfiler:
+    raw = os.environ.get(PROFILE_ENV, "").strip()
+    every = int(raw) if raw.isdigit() else 0
+    return StepProfiler(every, _rank0_logger(worker)) if every > 0 else _NoProfiler()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -757,9 +986,10 @@ def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
 
 
 def _target_decode(adapter: Adapter, worker_batch: Any, target_worker: Any) -> tuple[Any, bool]:
-    """Target forward of a DECODE batch with the verify graph bypassed: (logits, graph?)."""
+    """Target forward of a DECODE batch on the DECODE graphs (or eagerly): (logits, graph?)."""
     kwarg = adapter.name("target_kwarg")
-    with bypass_target_graph(target_worker.model_runner, adapter.name("graph_attr")):
+    runner = target_worker.model_runner
+    with target_decode_mode(runner, adapter.name("graph_attr"), adapter.decode_graphs):
         out = target_worker.forward_batch_generation(worker_batch, **{kwarg: True})
     if isinstance(out, tuple):  # 0.4.x: (logits, next_token_ids[, can_run_cuda_graph])
         return out[0], bool(out[2]) if len(out) > 2 else False
@@ -803,7 +1033,10 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
         return None
     if not _decide(adapter, batch):
         return None
-    return _v1_step(worker, adapter, batch)
+    adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
+    result = _v1_step(worker, adapter, batch)
+    adapter.profiler.finish()
+    return result
 
 
 def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
@@ -840,7 +1073,9 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
         mwb.seq_lens_sum = int(mwb.seq_lens.sum())
     vocab_mask = None
     target_worker = worker.target_worker
+    adapter.profiler.mark("prepare")
     logits_output, can_run_graph = _target_decode(adapter, mwb, target_worker)
+    adapter.profiler.mark("target")
     if _has_grammar(batch):
         vocab_mask = _grammar_mask(adapter, batch, vi, root.device)
 
@@ -859,6 +1094,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
             adapter.cls("logprob_fn")(batch, res, logits_output)
         else:
             worker.add_logprob_values(batch, res, logits_output)
+    adapter.profiler.mark("verify")
 
     # (f) draft KV sync + fresh draft state through the worker's own draft-extend
     next_input = getattr(res, adapter.name("vo_next_input"))
@@ -874,6 +1110,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
             root_after = getattr(next_input, adapter.name("root_field"), None)
             if root_after is not None and root_after.shape[0] > 0:
                 worker.forward_draft_extend_after_decode(batch)
+    adapter.profiler.mark("draft_extend")
 
     # (g) the same result contract as the speculative path, with zero accepted drafts
     tokens = getattr(res, adapter.name("vo_tokens"))
@@ -912,7 +1149,10 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
     if not _decide(adapter, batch):
         return None
-    return _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
+    adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
+    result = _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
+    adapter.profiler.finish()
+    return result
 
 
 def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
@@ -956,7 +1196,9 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
         decode_batch.seq_lens_sum = int(decode_batch.seq_lens.sum())
     decode_batch.spec_info = None
     decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
+    adapter.profiler.mark("prepare")
     logits_output, can_run_graph = _target_decode(adapter, decode_batch, worker.target_worker)
+    adapter.profiler.mark("target")
 
     # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
@@ -966,6 +1208,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
         mask = _grammar_mask(adapter, batch, vi, device) if _has_grammar(batch) else None
         sample_args.append(mask)
     predict, accept_lens, _ = vi.sample(*sample_args)
+    adapter.profiler.mark("sample")
 
     # 3) pad back to the stride the scheduler and the draft-extend graph read
     padded_tokens = predict.new_zeros(bs * stride)
@@ -989,6 +1232,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     )
     if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
         on_publish(new_seq_lens)
+    adapter.profiler.mark("pad_result")
 
     # 4) draft KV sync with the existing N-token draft-extend; only row i*N is real
     batch.out_cache_loc = slots.reshape(-1)
@@ -996,6 +1240,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     draft = worker.draft_worker
     with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
         draft._draft_extend_for_decode(batch, result)
+    adapter.profiler.mark("draft_extend")
     return result
 
 

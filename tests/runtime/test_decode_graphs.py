@@ -1,0 +1,297 @@
+"""Target DECODE graphs for fallback steps, and the step profiler.
+
+The graph runner here is a stand-in class that records what SGLang's own ``CudaGraphRunner``
+would see while it captures: a non-speculative runner (so it captures DECODE, one token per
+request, and no verify spec-info), a new attention backend (the verify graphs' buffers stay
+untouched), hidden-state capture on, and only the batch sizes a fallback can see.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import types
+from typing import Any
+
+import pytest
+
+from tests.runtime.releases import V1_RELEASES, V2_RELEASES
+from transforms.runtime import dynspec_fallback as dyn
+
+
+class SpeculativeAlgorithm(enum.Enum):
+    NONE = enum.auto()
+    EAGLE3 = enum.auto()
+
+
+class RecordingGraphRunner:
+    """Stands in for SGLang's CudaGraphRunner: constructing it is capturing."""
+
+    def __init__(self, model_runner: Any) -> None:
+        args = model_runner.server_args
+        self.seen = {
+            "spec_algorithm": model_runner.spec_algorithm,
+            "attn_backend": model_runner.attn_backend,
+            "return_hidden": args.enable_return_hidden_states,
+            "cuda_graph_bs": list(args.cuda_graph_bs) if args.cuda_graph_bs else None,
+        }
+        if model_runner.fail_capture is not None:
+            raise model_runner.fail_capture
+        self.capture_bs = self.seen["cuda_graph_bs"] or [1, 2, 4, 8]
+        model_runner.captures.append(self)
+
+
+class Backend:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+
+def make_runner(*, era: str = "0.5", cuda_graph_bs: list[int] | None = None) -> Any:
+    """A target model runner with a (TARGET_VERIFY) graph runner already captured."""
+    runner = types.SimpleNamespace(
+        spec_algorithm=SpeculativeAlgorithm.EAGLE3,
+        server_args=types.SimpleNamespace(
+            enable_return_hidden_states=False,
+            cuda_graph_bs=[1, 2, 4, 8, 16, 24, 32, 48, 64] if cuda_graph_bs is None else None,
+        ),
+        fail_capture=None,
+        captures=[],
+        made=[],
+    )
+    if cuda_graph_bs is not None:
+        runner.server_args.cuda_graph_bs = cuda_graph_bs
+    runner.attn_backend = Backend("verify")
+    runner.graph_runner = RecordingGraphRunner.__new__(RecordingGraphRunner)
+    if era == "0.5":
+        runner.init_new_workspace = False
+
+        def get_backend(init_new_workspace: bool = False) -> Backend:
+            runner.init_new_workspace = init_new_workspace  # SGLang's side effect
+            backend = Backend(f"new(ws={init_new_workspace})")
+            runner.made.append(backend)
+            return backend
+
+        runner._get_attention_backend = get_backend
+    else:  # 0.4.x: init_attention_backend() stores the new backend on the runner
+
+        def init_backend() -> None:
+            runner.attn_backend = Backend("new")
+            runner.made.append(runner.attn_backend)
+
+        runner.init_attention_backend = init_backend
+    return runner
+
+
+# -- capture_decode_graphs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("era", ["0.5", "0.4"])
+def test_capture_sees_a_non_speculative_runner_on_a_new_backend(era):
+    runner = make_runner(era=era)
+    verify_graphs, verify_backend = runner.graph_runner, runner.attn_backend
+
+    graphs, why = dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=14)
+
+    assert why == ""
+    assert graphs is not None
+    (captured,) = runner.captures
+    assert graphs.runner is captured
+    assert captured.seen["spec_algorithm"] is SpeculativeAlgorithm.NONE
+    assert captured.seen["attn_backend"] is graphs.attn_backend is runner.made[0]
+    assert captured.seen["attn_backend"] is not verify_backend
+    assert captured.seen["return_hidden"] is True
+    assert captured.seen["cuda_graph_bs"] == [16, 24, 32, 48, 64]
+    assert graphs.batch_sizes == [16, 24, 32, 48, 64]
+    # Everything the runner had is back as it was.
+    assert runner.spec_algorithm is SpeculativeAlgorithm.EAGLE3
+    assert runner.attn_backend is verify_backend
+    assert runner.graph_runner is verify_graphs
+    assert runner.server_args.enable_return_hidden_states is False
+    assert runner.server_args.cuda_graph_bs == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    if era == "0.5":
+        assert graphs.attn_backend.label == "new(ws=True)"
+        assert runner.init_new_workspace is False
+
+
+def test_capture_keeps_the_largest_size_when_none_is_above_the_floor():
+    runner = make_runner(cuda_graph_bs=[1, 2, 4, 8])
+    graphs, _ = dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=100)
+    assert graphs is not None and graphs.batch_sizes == [8]
+
+
+def test_capture_without_a_size_list_leaves_the_default_sizes():
+    runner = make_runner(cuda_graph_bs=[])
+    runner.server_args.cuda_graph_bs = None  # 0.4.x: sizes come from cuda_graph_max_bs
+    graphs, _ = dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=3)
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
+    assert runner.server_args.cuda_graph_bs is None
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda r: setattr(r, "graph_runner", None), "CUDA graphs are off"),
+        (lambda r: delattr(r.server_args, "enable_return_hidden_states"), "hidden states"),
+        (lambda r: setattr(r, "spec_algorithm", "EAGLE3"), "no NONE"),
+    ],
+)
+def test_capture_declines_with_a_reason(change, reason):
+    runner = make_runner()
+    change(runner)
+    graphs, why = dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=1)
+    assert graphs is None
+    assert reason in why
+    assert runner.made == []  # nothing was built
+
+
+def test_failed_capture_restores_the_runner():
+    runner = make_runner()
+    runner.fail_capture = RuntimeError("out of memory")
+    verify_backend = runner.attn_backend
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=1)
+    assert runner.spec_algorithm is SpeculativeAlgorithm.EAGLE3
+    assert runner.attn_backend is verify_backend
+    assert runner.server_args.enable_return_hidden_states is False
+
+
+def test_target_decode_mode_swaps_and_restores_even_on_error():
+    runner = make_runner()
+    graphs, _ = dyn.capture_decode_graphs(runner, "graph_runner", min_batch_size=1)
+    verify_graphs, verify_backend = runner.graph_runner, runner.attn_backend
+    with pytest.raises(ValueError), dyn.target_decode_mode(runner, "graph_runner", graphs):
+        assert runner.graph_runner is graphs.runner
+        assert runner.attn_backend is graphs.attn_backend
+        raise ValueError
+    assert runner.graph_runner is verify_graphs
+    assert runner.attn_backend is verify_backend
+    with dyn.target_decode_mode(runner, "graph_runner", None):
+        assert runner.graph_runner is None  # eager: never the TARGET_VERIFY graphs
+        assert runner.attn_backend is verify_backend
+
+
+# -- wired into the fallback step -----------------------------------------------------------
+
+
+def graph_world(version: str, variant: str, **kwargs: Any) -> Any:
+    """A stand-in world whose target runner can capture DECODE graphs."""
+    from tests.runtime.standins import World, read_shape
+
+    world = World(read_shape(version, variant), threshold=2, **kwargs)
+    runner = world.worker.target_worker.model_runner
+    template = make_runner()
+    for name in ("spec_algorithm", "fail_capture", "captures", "made", "attn_backend"):
+        setattr(runner, name, getattr(template, name))
+    runner.server_args = template.server_args
+    runner.init_new_workspace = False
+    runner._get_attention_backend = template._get_attention_backend
+    template.made = runner.made
+    setattr(runner, world.shape.graph_attr, template.graph_runner)
+    return world
+
+
+def step(world: Any, variant: str) -> Any:
+    if variant == "v1":
+        return dyn.maybe_fallback_v1(world.worker, world.batch)
+    return dyn.maybe_fallback_v2(world.worker, world.batch)
+
+
+VARIANT_RELEASES = [("v1", v) for v in V1_RELEASES] + [("v2", v) for v in V2_RELEASES]
+
+
+@pytest.mark.parametrize(("variant", "version"), VARIANT_RELEASES)
+def test_fallback_target_forward_replays_the_decode_graphs(variant, version, caplog):
+    world = graph_world(version, variant, batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    verify_graphs = getattr(runner, world.shape.graph_attr)
+    verify_backend = runner.attn_backend
+
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, variant) is not None
+
+    (decode_graphs,) = runner.captures
+    # Captured once, above the resume floor (threshold 2 resumes at 1: every size).
+    assert decode_graphs.seen["cuda_graph_bs"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    call = world.recorder.get("target_forward")
+    assert call["graph"] is decode_graphs
+    assert call["attn_backend"] is decode_graphs.seen["attn_backend"]
+    assert getattr(runner, world.shape.graph_attr) is verify_graphs
+    assert runner.attn_backend is verify_backend
+    assert any("captured target DECODE graphs" in r.getMessage() for r in caplog.records)
+
+
+def test_decode_graphs_are_captured_once_per_process():
+    world = graph_world("0.5.12.post1", "v1", batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    step(world, "v1")
+    world.batch = world._make_batch(4, 20, 100)
+    step(world, "v1")
+    assert len(runner.captures) == 1
+    graphs = [d["graph"] for n, d in world.recorder.events if n == "target_forward"]
+    assert len(graphs) == 2 and graphs[0] is graphs[1] is runner.captures[0]
+
+
+def test_env_switch_keeps_eager_forwards(monkeypatch):
+    monkeypatch.setenv(dyn.DECODE_GRAPHS_ENV, "0")
+    world = graph_world("0.5.12.post1", "v2", batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    assert step(world, "v2") is not None
+    assert runner.captures == []
+    assert world.recorder.get("target_forward")["graph"] is None
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_failed_capture_falls_back_to_eager_and_warns(variant, caplog):
+    world = graph_world("0.5.12.post1", variant, batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    runner.fail_capture = RuntimeError("CUDA out of memory")
+    verify_graphs = runner.graph_runner
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        result = step(world, variant)
+    assert result is not None  # still a correct fallback step, just eager
+    assert world.recorder.get("target_forward")["graph"] is None
+    assert runner.graph_runner is verify_graphs
+    assert any(
+        "DECODE graphs not used" in r.getMessage() and "out of memory" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+# -- StepProfiler -----------------------------------------------------------------------------
+
+
+def test_profiler_reports_per_phase_means_by_batch_size():
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=3, log=lines.append)
+    cpu = types.SimpleNamespace(type="cpu")
+    for bs in (8, 8, 4):
+        profiler.start(bs, cpu)
+        profiler.mark("target")
+        profiler.mark("verify")
+        profiler.finish()
+    summary = profiler.summary()
+    assert sorted(summary) == [4, 8]
+    assert list(summary[8]) == ["target", "verify", "end"]
+    assert all(gpu == 0.0 and host >= 0.0 for gpu, host in summary[8].values())
+    assert [line.split()[2] for line in lines] == ["bs=4", "bs=8"]
+    assert "steps=2" in lines[1] and "target=" in lines[1] and "total=" in lines[1]
+
+
+def test_profiler_is_silent_until_its_period():
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=5, log=lines.append)
+    for _ in range(4):
+        profiler.start(2, types.SimpleNamespace(type="cpu"))
+        profiler.finish()
+    assert lines == [] and profiler.summary() == {}
+
+
+def test_profiler_env(monkeypatch):
+    worker = types.SimpleNamespace(tp_rank=0)
+    monkeypatch.delenv(dyn.PROFILE_ENV, raising=False)
+    assert not isinstance(dyn._make_profiler(worker), dyn.StepProfiler)
+    monkeypatch.setenv(dyn.PROFILE_ENV, "200")
+    profiler = dyn._make_profiler(worker)
+    assert isinstance(profiler, dyn.StepProfiler) and profiler.every == 200
+    monkeypatch.setenv(dyn.PROFILE_ENV, "yes")
+    assert not isinstance(dyn._make_profiler(worker), dyn.StepProfiler)
