@@ -1,0 +1,170 @@
+# Concurrency sweep + greedy reference outputs against an SGLang /generate endpoint (stdlib only).
+# usage: python3 client.py URL OUT.json NAME [--levels 1,4,16,32,64,128] [--plen 256] [--olen 256]
+# [--greedy 16]
+import argparse
+import json
+import random
+import statistics
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+ap = argparse.ArgumentParser()
+ap.add_argument("url")
+ap.add_argument("out")
+ap.add_argument("name")
+ap.add_argument("--levels", default="1,4,16,32,64,128")
+ap.add_argument("--plen", type=int, default=256)
+ap.add_argument("--olen", type=int, default=256)
+ap.add_argument("--greedy", type=int, default=16)
+ap.add_argument("--vocab", type=int, default=128000)
+ap.add_argument("--min-reqs", type=int, default=8)
+ap.add_argument("--mult", type=int, default=2)
+ap.add_argument("--timeout", type=float, default=600)
+a = ap.parse_args()
+
+
+def prompts(seed, n):
+    r = random.Random(seed)
+    return [[r.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(n)]
+
+
+def post(path, body, timeout=None):
+    req = urllib.request.Request(
+        a.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout or a.timeout) as r:
+        return json.loads(r.read())
+
+
+def gen(ids, olen=None):
+    for _attempt in range(2):  # one retry on a connection-level error
+        t = time.perf_counter()
+        try:
+            r = post(
+                "/generate",
+                {
+                    "input_ids": ids,
+                    "sampling_params": {
+                        "max_new_tokens": olen or a.olen,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                },
+            )
+            if isinstance(r, list):
+                r = r[0]
+            return r, time.perf_counter() - t
+        except (ConnectionError, urllib.error.URLError) as e:
+            err = e
+            time.sleep(0.5)
+    raise err
+
+
+def run(reqs, conc):
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as ex:
+        res = list(ex.map(gen, reqs))
+    return res, time.perf_counter() - t0
+
+
+def summarize(res, wall, conc):
+    mi = [r.get("meta_info", {}) for r, _ in res]
+    toks = [
+        m.get("completion_tokens", len(r.get("output_ids", [])))
+        for (r, _), m in zip(res, mi, strict=False)
+    ]
+    lat = [latency for _, latency in res]
+    tpot = [lt / max(1, t) * 1000 for lt, t in zip(lat, toks, strict=False)]
+    d = dict(
+        concurrency=conc,
+        requests=len(res),
+        wall_s=round(wall, 3),
+        output_tokens=sum(toks),
+        output_tok_per_s=round(sum(toks) / wall, 1),
+        req_per_s=round(len(res) / wall, 3),
+        mean_latency_s=round(statistics.mean(lat), 3),
+        p50_latency_s=round(statistics.median(lat), 3),
+        mean_tpot_ms=round(statistics.mean(tpot), 3),
+        mean_server_e2e_s=round(statistics.mean([m.get("e2e_latency", 0) or 0 for m in mi]), 3),
+    )
+    acc = [m["spec_accept_length"] for m in mi if m.get("spec_accept_length") is not None]
+    vct = [m["spec_verify_ct"] for m in mi if m.get("spec_verify_ct") is not None]
+    if acc:
+        d["mean_spec_accept_length"] = round(statistics.mean(acc), 3)
+    if vct:
+        d["mean_spec_verify_ct"] = round(statistics.mean(vct), 2)
+        d["tokens_per_verify"] = round(sum(toks) / max(1, sum(vct)), 3)
+    return d
+
+
+out = {"name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "levels": [], "errors": []}
+try:
+    out["server_info"] = json.loads(
+        urllib.request.urlopen(a.url + "/get_server_info", timeout=30).read()
+    )
+except Exception:
+    try:
+        out["server_info"] = json.loads(
+            urllib.request.urlopen(a.url + "/server_info", timeout=30).read()
+        )
+    except Exception as e2:
+        out["errors"].append(f"server_info: {e2}")
+si = out.get("server_info") or {}
+out["effective_args"] = {
+    k: si.get(k)
+    for k in (
+        "speculative_algorithm",
+        "disable_overlap_schedule",
+        "speculative_eagle_topk",
+        "speculative_num_steps",
+        "speculative_num_draft_tokens",
+        "speculative_disable_batch_threshold",
+        "disable_cuda_graph",
+        "cuda_graph_max_bs",
+        "max_running_requests",
+        "attention_backend",
+        "version",
+    )
+}
+print("effective args:", out["effective_args"], flush=True)
+# warm-up (short) so lazy compilation does not land in the first measured level
+try:
+    run([p for p in prompts(7, 4)], 4)
+    print("warm-up done", flush=True)
+except Exception as e:
+    out["errors"].append(f"warmup: {e!r}")
+# greedy reference outputs, concurrency 1
+t = time.perf_counter()
+gp = prompts(12345, a.greedy)
+greedy = []
+for p in gp:
+    try:
+        r, _ = gen(p)
+        greedy.append(r.get("output_ids"))
+    except Exception as e:
+        greedy.append(None)
+        out["errors"].append(f"greedy: {e!r}")
+out["greedy_c1"] = greedy
+print(f"greedy c=1: {len(greedy)} prompts in {time.perf_counter() - t:.1f}s", flush=True)
+for c in [int(x) for x in a.levels.split(",") if x]:
+    n = max(a.min_reqs, a.mult * c)
+    try:
+        res, wall = run(prompts(1000 + c, n), c)
+        d = summarize(res, wall, c)
+        if c == max(
+            int(x) for x in a.levels.split(",")
+        ):  # greedy outputs of the fixed prompts under load
+            d["note"] = "output_ids of the first 16 requests kept in greedy_at_max_conc"
+            out["greedy_at_max_conc"] = [r.get("output_ids") for r, _ in res[:16]]
+    except Exception as e:
+        d = dict(concurrency=c, error=repr(e))
+        out["errors"].append(f"c={c}: {e!r}")
+    out["levels"].append(d)
+    print(json.dumps(d), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+with open(a.out, "w") as f:
+    json.dump(out, f)
+print("wrote", a.out)

@@ -1,0 +1,160 @@
+#!/bin/bash
+# dynspec-patch on an air-gapped GPU host: install the carried parts, then run servers + clients.
+#
+#   bash run.sh install PARTDIR     install one part (partA first: it starts a fresh site)
+#   bash run.sh setup               model configs (8b dummy) + crafted 1b weights, JIT warm-up,
+#                                   the patched overlay (this checkout's dynspec-patch applied to
+#                                   a copy of the installed sglang package)
+#   bash run.sh session VARIANT...  run each variant not yet run (server, client, stop) while
+#                                   DEADLINE seconds (default 540) since the call's start allow;
+#                                   then gather every result so far into $OUT
+#
+# Variants (THRESHOLD T, default 16):
+#   base | eagle-v2 | dyn-v2 | dyn-v2-eager | eagle-v1 | dyn-v1 | dyn-v1-eager    speed sweep,
+#       Llama-3.1-8B shape, random (dummy) weights; *-v1: --disable-overlap-schedule;
+#       dyn-*: patched overlay + --speculative-disable-batch-threshold T, DYNSPEC_PROFILE=200;
+#       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before)
+#   check-base | check-eagle-v2 | check-dyn-v2 | check-dyn-v1                  greedy checks on
+#       the crafted 1b successor models (crafted.py) with the strict KV-leak check on
+#
+# Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,32,64,128),
+#   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540),
+#   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
+#   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
+set -u
+CALL_START=$(date +%s)
+KIT_HOME=${KIT_HOME:-/root/dynspec-gpu-kit}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../../../.." && pwd)          # this checkout: its dynspec-patch is applied
+mkdir -p "$KIT_HOME"/{site,work/results,work/logs,models}
+SITE=$KIT_HOME/site; WORK=$KIT_HOME/work; RES=$WORK/results; LOGS=$WORK/logs; M=$KIT_HOME/models
+DYN=$KIT_HOME/dyn                              # holds the patched copy of sglang/
+PY=${PY:-python3}; OUT=${OUT:-$WORK/out}; mkdir -p "$OUT"
+T=${THRESHOLD:-16}; PORT=${PORT:-31000}; LEVELS=${LEVELS:-1,16,32,64,128}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export TVM_FFI_CACHE_DIR=$WORK/tvmffi TRITON_CACHE_DIR=$WORK/triton TVM_FFI_CUDA_ARCH_LIST=9.0
+export PATH="$(dirname "$(command -v "$PY")"):$PATH"
+if ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 '; then
+  export LD_LIBRARY_PATH="$SITE/_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+for c in ${CUDA_HOME:-} /usr/local/cuda /usr/local/cuda-13.0; do
+  [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && { export CUDA_HOME=$c PATH="$c/bin:$PATH"; break; }
+done
+
+dynspec() {   # this checkout's CLI, with the carried libcst
+  PYTHONPATH="$REPO:$KIT_HOME/deps" PYTHONDONTWRITEBYTECODE=1 "$PY" - "$@" <<'EOF'
+import sys
+sys.argv[0] = "dynspec-patch"
+try:
+    from dynspec_patch.patcher.cli import main
+except ImportError:
+    from patcher.cli import main
+main()
+EOF
+}
+
+phase=${1:-}; shift || true
+case "$phase" in
+install)
+  P=$1
+  case "$(basename "$P")" in partA) rm -rf "$SITE"; mkdir -p "$SITE";; esac
+  t=$(date +%s); bash "$HERE/install.sh" "$P" "$SITE" "$PY" || exit 1
+  if ls "$P"/../wheels/*.whl >/dev/null 2>&1; then   # libcst for the CLI
+    mkdir -p "$KIT_HOME/deps"; for w in "$P"/../wheels/*.whl; do "$PY" -m zipfile -e "$w" "$KIT_HOME/deps"; done
+  fi
+  echo "install $(basename "$P") done in $(( $(date +%s)-t ))s; site $(du -sh "$SITE" | cut -f1)"
+  ;;
+setup)
+  t=$(date +%s)
+  "$PY" "$HERE/mkmodels.py" "$M" 8b >/dev/null
+  "$PY" "$HERE/mkmodels.py" "$M" 8b 32000 >/dev/null
+  [ -n "${SKIP_CRAFTED:-}" ] || PYTHONPATH=$SITE "$PY" "$HERE/mkweights.py" "$M" 1b || exit 1
+  PYTHONPATH=$SITE timeout 300 "$PY" "$HERE/jitwarm.py" 8b > "$LOGS/jitwarm.log" 2>&1; echo "jitwarm rc=$?"
+  grep -E "^(OK|ERR) |jit warm total" "$LOGS/jitwarm.log" | cut -c1-200
+  if grep -q "^ERR activation" "$LOGS/jitwarm.log"; then touch "$WORK/act_fallback"; echo "activation JIT fallback on"; fi
+  rm -rf "$DYN"; mkdir -p "$DYN"; cp -a "$SITE/sglang" "$DYN/sglang"
+  dynspec apply --sglang-root "$DYN/sglang" --threshold "$T" --worker both --json > "$WORK/apply.json" 2> "$LOGS/apply.err"
+  echo "dynspec-patch apply rc=$?: $(head -c 600 "$WORK/apply.json")"; tail -3 "$LOGS/apply.err"
+  dynspec probe --sglang-root "$DYN/sglang" 2>&1 | tail -4
+  PYTHONPATH=$SITE "$PY" -c "import torch, sgl_kernel; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+  echo "setup done in $(( $(date +%s)-t ))s"
+  ;;
+session)
+  hook=""; [ -f "$WORK/act_fallback" ] && { hook="$HERE/hook:"; export KIT_ACT_FALLBACK=1; }
+  for VARIANT in "$@"; do
+    V=$VARIANT${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
+    [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
+    left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
+    need=170; case "$V" in check-*) need=120;; esac
+    [ "$left" -lt "$need" ] && { echo "[$V] deferred: ${left}s left in this call"; continue; }
+    path="$hook$SITE"; envs=(); size=8b
+    flags=(--load-format dummy --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch
+           --grammar-backend none --mem-fraction-static 0.8 --max-running-requests 128 --cuda-graph-max-bs 128
+           --host 127.0.0.1 --port "$PORT")
+    model=$M/llama-8b; draft=$M/eagle3-8b${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
+    case "$V" in check-*) model=$M/succ-1b; draft=$M/succ-eagle3-1b; flags=("${flags[@]:2}")
+                          envs+=(SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1);; esac
+    spec=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$draft" --speculative-num-steps 3
+          --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+    case "$VARIANT" in
+      base|check-base) spec=();;
+      eagle-v2|check-eagle-v2) ;;
+      eagle-v1) spec+=(--disable-overlap-schedule);;
+      *dyn-v2*|*dyn-v1*)
+        path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$T"); envs+=(DYNSPEC_PROFILE=200)
+        case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
+        case "$VARIANT" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
+      *) echo "unknown variant $V"; continue;;
+    esac
+    LOG=$LOGS/$V.server.log; t0=$(date +%s)
+    echo "[$V] $(date -u +%T) flags: ${spec[*]} env: ${envs[*]:-}" | tee "$LOG"
+    env "${envs[@]}" PYTHONPATH="$path" setsid "$PY" -m sglang.launch_server --model-path "$model" "${flags[@]}" \
+      "${spec[@]}" >> "$LOG" 2>&1 < /dev/null &
+    SRV=$!; ok=0
+    while [ $(( $(date +%s)-t0 )) -lt "${HEALTH_TIMEOUT:-300}" ]; do
+      kill -0 "$SRV" 2>/dev/null || { echo "[$V] server exited"; break; }
+      "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null && { ok=1; break; }
+      sleep 1
+    done
+    echo "[$V] ready=$ok after $(( $(date +%s)-t0 ))s"
+    if [ $ok = 1 ]; then
+      budget=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) - 25 ))
+      case "$V" in
+        check-*) timeout "$budget" "$PY" "$HERE/check.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V";;
+        *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
+             --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1;;
+      esac
+      echo "[$V] client rc=$?"
+    else
+      tail -40 "$LOG"
+      echo "{\"name\": \"$V\", \"error\": \"server not ready\"}" > "$RES/$V.json"
+    fi
+    kill -TERM -- -"$SRV" 2>/dev/null
+    for _ in $(seq 1 20); do kill -0 "$SRV" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -"$SRV" 2>/dev/null; sleep 1
+    for _ in $(seq 1 20); do
+      u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
+      { [ -z "$u" ] || [ "$u" -lt 2000 ]; } && break; sleep 1
+    done
+    echo "[$V] done in $(( $(date +%s)-t0 ))s; dynspec lines:"
+    grep -E '\[dynspec\]' "$LOG" | grep -v ' profile ' | head -4
+    grep -E '\[dynspec\] profile' "$LOG" | tail -3 | cut -c1-400
+    grep -iE 'Traceback|Error|leak' "$LOG" | grep -vE 'FA3|openai_harmony' | head -5 | cut -c1-300
+  done
+  # everything so far, in at most 3 files
+  "$PY" - "$RES" "$OUT/results.json" <<'EOF'
+import json, os, sys
+res = {}
+for f in sorted(os.listdir(sys.argv[1])):
+    if f.endswith(".json"):
+        res[f[:-5]] = json.load(open(os.path.join(sys.argv[1], f)))
+json.dump(res, open(sys.argv[2], "w"))
+print("results:", ", ".join(f"{k}{' (error)' if v.get('error') else ''}" for k, v in res.items()))
+EOF
+  for f in "$LOGS"/*.server.log; do
+    echo "=== $(basename "$f")"; grep -E '\[dynspec\]|Traceback|Error|leak|cuda graph|Capture|KV Cache|max_total_num_tokens' "$f" | grep -vE 'FA3|openai_harmony' | head -80
+  done > "$OUT/excerpts.txt" 2>&1
+  tar czf "$OUT/server-logs.tgz" -C "$LOGS" . 2>/dev/null
+  ;;
+*) sed -n 2,22p "$0"; exit 2;;
+esac

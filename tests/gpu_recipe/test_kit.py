@@ -1,0 +1,150 @@
+"""The offline GPU kit's CPU-checkable parts: the crafted models' arithmetic and check.py.
+
+mkweights.verify replays the crafted target and draft on every crafted token, so building tiny
+weights here proves the construction (margins, draft acceptance per region) before a GPU sees
+it. check.py is run against a stdlib server on 127.0.0.1 that continues prompts exactly as the
+crafted target would, and against one that drops a token mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+KIT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kit"
+sys.path.insert(0, str(KIT / "scripts"))
+
+import crafted  # noqa: E402
+
+
+def test_regions_are_cycles_and_pred_inverts_succ():
+    for token in crafted.all_tokens():
+        assert crafted.pred(crafted.succ(token)) == token
+        assert crafted.region_of(crafted.succ(token)) == crafted.region_of(token)
+    start = crafted.region_start(1)
+    assert crafted.succ(start + crafted.REGION_SIZE - 1) == start
+    with pytest.raises(ValueError):
+        crafted.region_of(crafted.BASE - 1)
+
+
+def test_good_token_fraction_matches_each_region():
+    for index, (_, fraction) in enumerate(crafted.REGIONS):
+        start = crafted.region_start(index)
+        tokens = range(start, start + crafted.REGION_SIZE)
+        share = sum(crafted.good(t) for t in tokens) / crafted.REGION_SIZE
+        assert abs(share - fraction) < 0.03, (index, share)
+        assert all(
+            crafted.draft_next(t)
+            == (crafted.succ(t) if crafted.good(t) else crafted.succ(crafted.succ(t)))
+            for t in tokens
+        )
+
+
+def test_crafted_weights_compute_the_successor_and_the_draft(monkeypatch):
+    import mkmodels
+    import mkweights
+
+    monkeypatch.setattr(crafted, "VOCAB", 8192)
+    shape = dict(
+        mkmodels.SHAPES["1b"],
+        hidden_size=512,
+        intermediate_size=6144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=64,
+    )
+    target, draft = mkweights.make_tensors(shape, "cpu")
+    mkweights.verify(target, draft, 512)  # exits on any wrong prediction
+    assert not target["model.layers.0.mlp.down_proj.weight"].any()
+    assert not target["model.layers.1.self_attn.o_proj.weight"].any()
+    # A draft that always guesses right must fail the check: verify is not a rubber stamp.
+    broken = dict(draft)
+    broken["midlayer.mlp.down_proj.weight"] = broken["midlayer.mlp.down_proj.weight"] * 0
+    with pytest.raises(SystemExit, match="do not compute"):
+        mkweights.verify(target, broken, 512)
+
+
+class SuccessorServer(BaseHTTPRequestHandler):
+    """Continues every prompt as the crafted target would; optionally drops one token."""
+
+    drop_at: int | None = None
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        out = crafted.expected_continuation(ids, n + 1)
+        if self.drop_at is not None and n > self.drop_at:
+            del out[self.drop_at]  # the stream skips a token, as a lost fallback step would
+        out = out[:n]
+        reply = json.dumps({"output_ids": out, "meta_info": {"spec_accept_length": 1.0}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128
+    daemon_threads = True
+
+
+@pytest.fixture
+def successor_url() -> Iterator[str]:
+    server = _Server(("127.0.0.1", 0), SuccessorServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    SuccessorServer.drop_at = None
+
+
+def run_check(url: str, tmp_path: Path) -> dict:
+    out = tmp_path / "check.json"
+    proc = subprocess.run(
+        [sys.executable, str(KIT / "scripts" / "check.py"), url, str(out), "t"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_check_passes_a_faithful_server(successor_url, tmp_path):
+    report = run_check(successor_url, tmp_path)
+    assert report["total_failed"] == 0
+    assert report["total_mismatched"] == 0
+    assert report["total_requests"] == 6 * 3 + 64 + 48
+
+
+def test_check_catches_a_skipped_token(successor_url, tmp_path):
+    SuccessorServer.drop_at = 100
+    report = run_check(successor_url, tmp_path)
+    burst = report["phases"]["burst64"]
+    assert burst["mismatched"] == 64 and set(burst["first_mismatches"]) == {100}
+    assert report["phases"]["c1"]["mismatched"] == 6  # 128 new tokens each: all cross 100
+
+
+def test_kit_talks_only_to_loopback():
+    addresses = set()
+    version_lists = {"pins.txt", "host-packages.txt"}  # package==version lines only
+    for path in KIT.rglob("*"):
+        if path.suffix in {".py", ".sh", ".md", ".txt"} and path.name not in version_lists:
+            addresses |= set(re.findall(r"\b\d{1,3}(?:\.\d{1,3}){3}\b", path.read_text()))
+    assert addresses <= {"127.0.0.1"}, addresses
+
+
+def test_run_sh_parses():
+    subprocess.run(["bash", "-n", str(KIT / "scripts" / "run.sh")], check=True)
