@@ -83,8 +83,8 @@ def image_changes(container: Mapping[str, Any], server_argv: Sequence[str],
         return [], ("the server is not the container's own command (started by "
                     f"{command[:1]}): add {' '.join(a for a in desired if a not in server_argv)}"
                     " where that command starts it")
-    if entrypoint and list(desired[:len(entrypoint)]) == entrypoint:
-        return [f"CMD {json.dumps(list(desired[len(entrypoint):]))}"], "CMD set to the new flags"
+    if list(desired[:len(entrypoint)]) == entrypoint:  # also true without an ENTRYPOINT
+        return [f"CMD {json.dumps(list(desired[len(entrypoint):]))}"], "CMD set to the new command"
     return ([f"ENTRYPOINT {json.dumps(list(desired))}", "CMD []"],
             "ENTRYPOINT set to the new command")
 

@@ -1442,9 +1442,46 @@ def restart_and_gate(server, args, expect, log_path, restart_cmd):
             "gpu": "not checked (container)"}
 
 
+def undo_stopped(container, state, pkg, stop_timeout):
+    """Undo the last commit in a container that may be crash-looping (no ``docker exec``
+    then): stop it, mount its overlay2 layers on the host the way dockerd does, and run the
+    same ``undo`` on the mounted tree."""
+    proc = docker("stop", "-t", str(int(stop_timeout)), container["id"], timeout=stop_timeout + 60)
+    if proc.returncode != 0:
+        raise Refused("docker stop %s failed: %s" % (container["name"], proc.err[0]))
+    proc = docker("inspect", "--type", "container", "-f", "{{json .GraphDriver}}", container["id"])
+    if proc.returncode != 0:
+        raise Refused("docker inspect %s failed: %s" % (container["name"], proc.err[0]))
+    driver = json.loads(proc.stdout.decode())
+    if driver.get("Name") != "overlay2":
+        raise Refused("storage driver %s: cannot reach the stopped container's files"
+                      % driver.get("Name"))
+    data = driver["Data"]
+    layers = os.path.dirname(os.path.dirname(data["UpperDir"]))  # <data-root>/overlay2
+    lowers = []
+    for lower in data["LowerDir"].split(":"):  # short links keep the options under a page
+        with open(os.path.join(os.path.dirname(lower), "link")) as fh:
+            lowers.append("l/" + fh.read().strip())
+    own = os.path.relpath(os.path.dirname(data["UpperDir"]), layers)
+    target = tempfile.mkdtemp(prefix="dynspec-container-")
+    options = "lowerdir=%s,upperdir=%s/diff,workdir=%s/work" % (":".join(lowers), own, own)
+    mount = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, target],
+                           cwd=layers, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if mount.returncode != 0:
+        os.rmdir(target)
+        raise Refused("cannot mount the stopped container's layers: %s"
+                      % mount.stderr.decode("utf-8", "replace").strip())
+    try:
+        return undo(target + state, target + pkg)
+    finally:
+        subprocess.run(["umount", target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.rmdir(target)
+
+
 def restart_container(args):
-    """``op_restart`` for a server in a container; on failure undo the commit inside the
-    container and ``docker restart`` the original."""
+    """``op_restart`` for a server in a container; on failure undo the commit in the
+    container's files and start the original again."""
+    global _inner
     server = args["server"]
     container = server["container"]
     log_path = os.path.join(tempfile.gettempdir(), "dynspec-patch-%s-%s.log" % (
@@ -1459,12 +1496,13 @@ def restart_container(args):
                  % (reason, container["name"]))
         result = {"ok_restart": False, "reason": reason, "log": log_path}
         try:
-            inner = start_inner(container, python)  # the old one died with the container
+            if _inner is not None:  # it died with the container's processes
+                _inner.close()
+                _inner = None
             if args.get("undo", True):
-                result["restored"] = inner.request("undo", {
-                    "state_dir": args["state_dir"], "package_dir": args["package_dir"]})["restored"]
-            again = restart_and_gate(server, dict(args, stop_timeout=args.get("stop_timeout", 60)),
-                                     args.get("expect_original"), log_path, None)
+                result["restored"] = undo_stopped(container, args["state_dir"],
+                                                  args["package_dir"], args.get("stop_timeout", 60))
+            again = restart_and_gate(server, args, args.get("expect_original"), log_path, None)
             result["original_healthy"] = True
             result["pid"] = again["pid"]
         except Exception as exc2:

@@ -138,3 +138,76 @@ def pytest_collection_modifyitems(items: list) -> None:
         if "tests/remote" in str(item.fspath):
             item.add_marker(pytest.mark.ssh)
 
+
+
+# --------------------------------------------------------------------------- Docker containers
+
+
+@pytest.fixture(scope="session")
+def docker_engine(sshd: Sshd, remote_base: Path) -> Iterator:
+    """A real dockerd (Debian's docker.io) on the test host, stopped at the end of the session."""
+    import docker_harness
+
+    engine = docker_harness.start_engine(remote_base / "docker", sshd.ns_init, harness._TAG)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_image(docker_engine, remote_base: Path) -> str:
+    """``dynspec-test/sglang:0.5.10.post1``: a root fs made here, imported offline."""
+    import time
+
+    import docker_harness
+
+    tag = "dynspec-test/sglang:0.5.10.post1"
+    started = time.perf_counter()
+    docker_harness.build_rootfs(remote_base / "rootfs", "0.5.10.post1")
+    docker_engine.timings["rootfs build"] = time.perf_counter() - started
+    docker_engine.timings["docker import"] = docker_harness.import_image(
+        docker_engine, remote_base / "rootfs", tag)
+    shutil.rmtree(remote_base / "rootfs")
+    return tag
+
+
+class ContainerHost:
+    """The test host with one SGLang server running in a Docker container (host network)."""
+
+    def __init__(self, sshd: Sshd, engine, image: str) -> None:
+        self.sshd = sshd
+        self.engine = engine
+        self.image = image
+        self.names: list[str] = []
+
+    def options(self, **kw: object):
+        from patcher.remote_commands import HostOptions
+
+        kw.setdefault("docker_client", "/usr/bin/docker")
+        return HostOptions(host="127.0.0.1", port=self.sshd.port, user=OP_USER,
+                           identity_file=str(self.sshd.client_key),
+                           known_hosts=str(self.sshd.known_hosts),
+                           ssh_config=str(self.sshd.base / "ssh_config"), **kw)
+
+    def run(self, *args: str, env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+            image: str | None = None, command: list[str] | None = None) -> tuple[str, int]:
+        import docker_harness
+
+        port = harness.free_port()
+        name = f"sglang-{harness._TAG}-{next(_counter)}"
+        self.names.append(name)
+        docker_harness.run_container(self.engine, image or self.image, name,
+                                     docker_harness.server_argv(port, *args)
+                                     if command is None else command, env, extra)
+        docker_harness.wait_healthy(port)
+        return name, port
+
+    def remove(self) -> None:
+        if self.names:
+            self.engine.cli("rm", "-f", *self.names, check=False)
+
+
+@pytest.fixture
+def container_host(sshd: Sshd, docker_engine, sglang_image: str) -> Iterator[ContainerHost]:
+    made = ContainerHost(sshd, docker_engine, sglang_image)
+    yield made
+    made.remove()
