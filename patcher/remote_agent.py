@@ -1200,7 +1200,7 @@ def use_docker(args, cid):
     client = args.get("docker_client") or shutil.which("docker")
     if not client or not os.access(client, os.X_OK):
         raise Refused("the server runs in container %s, but there is no docker client on the host "
-                      "(%s); give its path with --docker-client or DYNSPEC_DOCKER_CLIENT: nothing "
+                      "(%s); name it with DYNSPEC_DOCKER_CLIENT where dynspec-patch runs: nothing "
                       "was written" % (cid[:12], client or "docker not on PATH"))
     _docker["client"] = client
     _docker["host"] = args.get("docker_host") or docker_daemon_for(cid)
