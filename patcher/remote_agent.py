@@ -1338,7 +1338,7 @@ def layer_changes(cid, directory):
     out = []
     for line in proc.stdout.decode("utf-8", "replace").splitlines():
         kind, _, path = line.partition(" ")
-        if path.startswith(prefix):
+        if path.startswith(prefix) and "/__pycache__" not in path:
             out.append({"change": kind, "path": path})
     return out
 
@@ -1439,7 +1439,8 @@ def restart_and_gate(server, args, expect, log_path, restart_cmd):
     proof = prove(host, port, api_key, expect)
     new = find_by_port(port, 30)
     return {"pid": new["pid"] if new else None, "proof": proof, "log": log_path,
-            "gpu": "not checked (container)"}
+            "gpu": "not checked (container)",
+            "container_id": new.get("container_id") if new else None}
 
 
 def undo_stopped(container, state, pkg, stop_timeout):
@@ -1509,6 +1510,8 @@ def restart_container(args):
             result["original_healthy"] = False
             result["rollback_error"] = str(exc2)
         return result
+    if done["container_id"] and done["container_id"] != container["id"]:
+        container = inspect_container(done["container_id"])  # --restart-cmd re-created it
     inner = start_inner(container, python)
     inner.request("restart_done", {"state_dir": args["state_dir"], "pid": done["pid"]})
     done["ok_restart"] = True

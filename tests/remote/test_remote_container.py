@@ -10,9 +10,10 @@ release, the fake server as the container's command (host network), the loopback
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
-from docker_harness import SITE, server_info, wait_healthy
+from docker_harness import DOCKER, SITE, server_argv, server_info, wait_healthy
 from remote_harness import OP_USER
 
 from patcher import cli
@@ -179,6 +180,26 @@ def test_threshold_needs_commit_image_which_makes_a_durable_patched_image(contai
     assert layer_paths(engine, name) == []
     engine.cli("rm", "-f", name)
     engine.cli("rmi", tag)
+
+
+def test_restart_cmd_overrides_docker_restart(container_host):
+    """A --restart-cmd that re-creates the container (from a commit of it) with the flag."""
+    engine = container_host.engine
+    name, port = container_host.run(*SPEC)
+    old_id = engine.inspect(name)["Id"]
+    docker = f"{DOCKER} -H {engine.host}"
+    tag = f"dynspec-test/sglang:recreated-{name}"
+    argv = shlex.join(server_argv(port, *SPEC, "--speculative-disable-batch-threshold", "16"))
+    restart_cmd = (f"{docker} commit {name} {tag} && {docker} rm -f {name} && "
+                   f"{docker} run -d --pull=never --network host --name {name} {tag} {argv}")
+    out = apply(container_host, threshold=16, restart_cmd=restart_cmd)
+    assert out["restart"]["restarted"] is True
+    assert out["restart"]["proof"]["checked"] == {FIELD: 16}
+    assert engine.inspect(name)["Id"] != old_id
+    assert server_info(port)[FIELD] == 16
+    st = rc.status(container_host.options())
+    assert st["host_state"] == "patched" and st["restart_pending"] is None
+    assert st["durability"].startswith("durable")
 
 
 def test_failed_restart_is_rolled_back_inside_the_container(container_host):
