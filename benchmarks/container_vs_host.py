@@ -68,7 +68,7 @@ def main() -> int:
     setup: dict[str, float] = {}
     try:
         engine = docker_harness.start_engine(base / "docker", sshd.ns_init, "bench")
-        setup["dockerd start (until it answers)"] = engine.timings["engine start"]
+        setup["dockerd start (until it answers)"] = engine.started_in
         setup["root fs (python + release)"] = timed(
             lambda: docker_harness.build_rootfs(base / "rootfs", args.release))
         image = f"dynspec-bench/sglang:{args.release}"

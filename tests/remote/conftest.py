@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from remote_harness import HOSTILE, OP_USER, FakeServer, Sshd
 
 _counter = itertools.count()
 _HOSTS: list[Host] = []
+_DOCKER_TIMINGS: dict[str, float] = {}  # printed in the summary when the container tier ran
 
 
 @pytest.fixture(scope="session")
@@ -149,15 +151,24 @@ def docker_engine(sshd: Sshd, remote_base: Path) -> Iterator:
     import docker_harness
 
     engine = docker_harness.start_engine(remote_base / "docker", sshd.ns_init, harness._TAG)
+    engine.timings = _DOCKER_TIMINGS
+    _DOCKER_TIMINGS["dockerd start (until it answers)"] = engine.started_in
     yield engine
+    stopping = time.perf_counter()
     engine.stop()
+    _DOCKER_TIMINGS["dockerd stop (containers removed)"] = time.perf_counter() - stopping
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _DOCKER_TIMINGS:
+        terminalreporter.section("Docker engine timings (s)")
+        for name, seconds in _DOCKER_TIMINGS.items():
+            terminalreporter.write_line(f"{name:<40} {seconds:8.2f}")
 
 
 @pytest.fixture(scope="session")
 def sglang_image(docker_engine, remote_base: Path) -> str:
     """``dynspec-test/sglang:0.5.10.post1``: a root fs made here, imported offline."""
-    import time
-
     import docker_harness
 
     tag = "dynspec-test/sglang:0.5.10.post1"
@@ -195,10 +206,13 @@ class ContainerHost:
         port = harness.free_port()
         name = f"sglang-{harness._TAG}-{next(_counter)}"
         self.names.append(name)
+        started = time.perf_counter()
         docker_harness.run_container(self.engine, image or self.image, name,
                                      docker_harness.server_argv(port, *args)
                                      if command is None else command, env, extra)
         docker_harness.wait_healthy(port)
+        self.engine.timings.setdefault("docker run until healthy (first)",
+                                       time.perf_counter() - started)
         return name, port
 
     def remove(self) -> None:

@@ -47,6 +47,7 @@ class Engine:
     ns_init: int
     cgroup_parent: str
     log: Path
+    started_in: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -128,9 +129,7 @@ def start_engine(base: Path, ns_init: int, tag: str) -> Engine:
     inner = int((base / "docker.pid").read_text().strip())
     children = _children(proc.pid)
     outer = children[0] if children else outer_pid(ns_init, inner)
-    engine = Engine(base, sock, outer, ns_init, parent, log)
-    engine.timings["engine start"] = time.perf_counter() - started
-    return engine
+    return Engine(base, sock, outer, ns_init, parent, log, time.perf_counter() - started)
 
 
 def _libraries(paths: list[Path]) -> set[str]:
