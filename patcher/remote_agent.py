@@ -1154,11 +1154,22 @@ _docker = {"client": None, "host": None}
 _inner = None  # the agent inside the selected server's container, once facts started it
 
 
+def same_root(pid):
+    """Whether ``pid`` sees this host's ``/`` (a systemd unit with PrivateTmp has its own
+    mount namespace but the same root; a container has a root of its own)."""
+    if readlink(os.path.join(PROC, str(pid), "ns", "mnt")) == readlink("/proc/self/ns/mnt"):
+        return True
+    try:
+        theirs, ours = os.stat(os.path.join(PROC, str(pid), "root")), os.stat("/")
+    except OSError:
+        return True  # not ours to read (no root): the bare-host path reports what fails
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
 def container_id_of(pid):
     """The Docker container ``pid`` runs in: ``None`` on this host's own filesystem, else the
     id from its cgroup path or its containerd shim's ``-id`` ("" if it names none)."""
-    theirs = readlink(os.path.join(PROC, str(pid), "ns", "mnt"))
-    if theirs is None or theirs == readlink("/proc/self/ns/mnt"):
+    if same_root(pid):
         return None
     for line in (_read_proc(pid, "cgroup") or b"").decode("utf-8", "replace").splitlines():
         found = CONTAINER_ID.findall(line)
@@ -1348,9 +1359,9 @@ def facts_in_container(server, servers, args):
     container's view (through the inner agent) of the package, its state and its server."""
     cid = server["container_id"]
     if not cid:
-        raise Refused("pid %d runs in another mount namespace that is not a Docker container "
-                      "(no container id in its cgroups or ancestors): nothing was written"
-                      % server["pid"])
+        raise Refused("pid %d runs under a root filesystem of its own that is not a Docker "
+                      "container (no container id in its cgroups or ancestors): nothing was "
+                      "written" % server["pid"])
     use_docker(args, cid)
     container = inspect_container(cid)
     server["container"] = container
