@@ -10,6 +10,7 @@ release, the fake server as the container's command (host network), the loopback
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 import pytest
@@ -249,3 +250,20 @@ def test_containers_without_what_the_tool_needs_are_refused_exit_3(container_hos
     captured = capsys.readouterr()
     assert code == 3 and "no docker client on the host" in captured.err
     assert package_hashes(engine, name) == original
+
+
+def test_a_private_mount_namespace_alone_is_not_a_container(make_host):
+    """A systemd unit with PrivateTmp runs in a mount namespace of its own, on the host's
+    root: it stays a bare-host server."""
+    host = make_host("0.5.10.post1")
+    srv = host.server(*SPEC, start=False)
+    srv.argv = ["unshare", "--mount", "--propagation", "private", "--", *srv.argv]
+    srv.start()
+    srv.wait_healthy()
+    inner = srv.outer()
+    assert os.readlink(f"/proc/{inner}/ns/mnt") != os.readlink(f"/proc/{srv.ns_init}/ns/mnt")
+    out = rc.detect_path(host.options(), pid=None, port=None)
+    assert out["container"] is None
+    assert out["servers"][0]["container_id"] is None
+    assert out["package_dir"] == str(host.package)
+    assert out["release"] == "0.5.10.post1"
