@@ -183,6 +183,28 @@ def test_threshold_needs_commit_image_which_makes_a_durable_patched_image(contai
     engine.cli("rmi", tag)
 
 
+def test_no_restart_leaves_the_mark_in_the_container_and_the_next_apply_restarts(
+        container_host):
+    engine = container_host.engine
+    name, port = container_host.run(*SPEC)
+    first_start = started_at(engine, name)
+    out = apply(container_host, no_restart=True)
+    assert out["restart"].startswith("pending")
+    assert started_at(engine, name) == first_start
+    assert "restart-pending.json" in listing(engine, name, STATE)
+    st = rc.status(container_host.options())
+    assert st["host_state"] == "patched" and st["server_runs"] == "original code"
+    assert st["restart_pending"] is not None
+
+    out = apply(container_host)
+    assert out["plan"].changes == ()
+    assert "a restart was pending" in out["restart"]["why"]
+    assert started_at(engine, name) != first_start
+    assert FIELD in server_info(port)
+    assert "restart-pending.json" not in listing(engine, name, STATE)
+    assert "undo" not in listing(engine, name, STATE)
+
+
 def test_restart_cmd_overrides_docker_restart(container_host):
     """A --restart-cmd that re-creates the container (from a commit of it) with the flag."""
     engine = container_host.engine
