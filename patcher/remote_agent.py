@@ -1152,6 +1152,35 @@ CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
 INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file")
 _docker = {"client": None, "host": None}
 _inner = None  # the agent inside the selected server's container, once facts started it
+_container_lock_fd = None
+
+
+def container_lock_dir(cid):
+    return os.path.join(tempfile.gettempdir(), "dynspec-patch-container-%s" % cid[:12])
+
+
+def lock_container(cid):
+    """A host-side lock per container, held by this agent for the whole command: the lock in
+    the container dies with the agent there when ``docker restart`` stops its processes."""
+    global _container_lock_fd
+    if _container_lock_fd is not None:
+        return
+    os.makedirs(container_lock_dir(cid), mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(container_lock_dir(cid), "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        os.close(fd)
+        raise Busy("another dynspec-patch run works on container %s (%s)"
+                   % (cid[:12], holder or "unknown holder")) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, ("pid %d user %s since %s\n" % (
+        os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
+    _container_lock_fd = fd
 
 
 def same_root(pid):
@@ -1363,6 +1392,8 @@ def facts_in_container(server, servers, args):
                       "container (no container id in its cgroups or ancestors): nothing was "
                       "written" % server["pid"])
     use_docker(args, cid)
+    if args.get("lock"):
+        lock_container(cid)
     container = inspect_container(cid)
     server["container"] = container
     server["container_pid"] = ns_pid(server["pid"])
@@ -1379,6 +1410,8 @@ def facts_in_container(server, servers, args):
                 server[key] = inside[key]
     result["servers"], result["selected"] = servers, server["pid"]
     result["container_agent"] = inner.hello
+    if not args.get("lock") and not result.get("busy"):
+        result["busy"] = lock_holder(container_lock_dir(cid))
     package = (result.get("package") or {}).get("package_dir")
     if package:
         container["layer_changes"] = layer_changes(cid, os.path.dirname(package))
@@ -1449,7 +1482,8 @@ def restart_and_gate(server, args, expect, log_path, restart_cmd):
             exc, container_log_tail(container["id"], since))) from None
     proof = prove(host, port, api_key, expect)
     new = find_by_port(port, 30)
-    return {"pid": new["pid"] if new else None, "proof": proof, "log": log_path,
+    return {"pid": new["pid"] if new else None, "proof": proof,
+            "log": log_path if restart_cmd else "docker logs %s" % container["name"],
             "gpu": "not checked (container)",
             "container_id": new.get("container_id") if new else None}
 
@@ -1506,7 +1540,9 @@ def restart_container(args):
         reason = str(exc) or exc.__class__.__name__
         progress("restart failed: %s; restoring the original files in %s"
                  % (reason, container["name"]))
-        result = {"ok_restart": False, "reason": reason, "log": log_path}
+        result = {"ok_restart": False, "reason": reason,
+                  "log": log_path if args.get("restart_cmd") else "docker logs %s" % (
+                      container["name"])}
         try:
             if _inner is not None:  # it died with the container's processes
                 _inner.close()

@@ -189,6 +189,7 @@ class ContainerHost:
         self.engine = engine
         self.image = image
         self.names: list[str] = []
+        self.ids: set[str] = set()
 
     def options(self, **kw: object):
         from patcher.remote_commands import HostOptions
@@ -207,17 +208,26 @@ class ContainerHost:
         name = f"sglang-{harness._TAG}-{next(_counter)}"
         self.names.append(name)
         started = time.perf_counter()
-        docker_harness.run_container(self.engine, image or self.image, name,
-                                     docker_harness.server_argv(port, *args)
-                                     if command is None else command, env, extra)
+        self.ids.add(docker_harness.run_container(
+            self.engine, image or self.image, name,
+            docker_harness.server_argv(port, *args) if command is None else command, env, extra))
         docker_harness.wait_healthy(port)
         self.engine.timings.setdefault("docker run until healthy (first)",
                                        time.perf_counter() - started)
         return name, port
 
     def remove(self) -> None:
-        if self.names:
-            self.engine.cli("rm", "-f", *self.names, check=False)
+        """Remove the containers, and what the agent kept for them in the host's /tmp (the
+        per-container lock, restart-command logs)."""
+        if not self.names:
+            return
+        ids = self.engine.cli("inspect", "-f", "{{.Id}}", *self.names,
+                              check=False).stdout.decode().split()
+        self.engine.cli("rm", "-f", *self.names, check=False)
+        for cid in self.ids | set(ids):  # a --restart-cmd may have re-created one
+            shutil.rmtree(f"/tmp/dynspec-patch-container-{cid[:12]}", ignore_errors=True)
+            for log in Path("/tmp").glob(f"dynspec-patch-{cid[:12]}-*.log"):
+                log.unlink()
 
 
 @pytest.fixture

@@ -205,6 +205,39 @@ def test_no_restart_leaves_the_mark_in_the_container_and_the_next_apply_restarts
     assert "undo" not in listing(engine, name, STATE)
 
 
+def test_a_second_run_is_refused_while_the_container_restarts(container_host):
+    """The lock inside the container dies with its processes on docker restart: the host
+    agent's per-container lock covers the restart."""
+    import threading
+    import time
+
+    engine = container_host.engine
+    name, _ = container_host.run(*SPEC, env={"FAKE_SGLANG_STARTUP_DELAY": "4"})
+    first_start = started_at(engine, name)
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            results["out"] = apply(container_host)
+        except Exception as exc:  # reported below
+            results["error"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.time() + 30
+    while started_at(engine, name) == first_start and time.time() < deadline:
+        time.sleep(0.05)
+    assert started_at(engine, name) != first_start  # restarted, now in the health gate
+    with pytest.raises(RefusedError, match=f"another dynspec-patch run works on container "
+                                           f"{engine.inspect(name)['Id'][:12]}"):
+        apply(container_host)
+    assert rc.status(container_host.options())["run_in_progress"].startswith("pid ")
+    thread.join(60)
+    assert "error" not in results, results
+    assert results["out"]["restart"]["restarted"] is True  # type: ignore[index]
+    assert rc.status(container_host.options())["run_in_progress"] is None
+
+
 def test_restart_cmd_overrides_docker_restart(container_host):
     """A --restart-cmd that re-creates the container (from a commit of it) with the flag."""
     engine = container_host.engine
