@@ -63,3 +63,10 @@ def test_durability_from_the_containers_layer():
 def test_bad_image_tags_are_usage_errors(tag):
     with pytest.raises(UsageError):
         container.check_tag(tag)
+
+
+def test_commit_image_without_host_is_a_usage_error(tmp_path, capsys):
+    from patcher import cli
+
+    assert cli.run(["apply", "--sglang-root", str(tmp_path), "--commit-image", "x:y"]) == 2
+    assert "--commit-image works with --host" in capsys.readouterr().err
