@@ -100,8 +100,8 @@ def main() -> int:
 
             port = harness.free_port()
             started = time.perf_counter()
-            docker_harness.run_container(engine, image, f"bench{i}",
-                                         docker_harness.server_argv(port, *SPEC))
+            cid = docker_harness.run_container(engine, image, f"bench{i}",
+                                               docker_harness.server_argv(port, *SPEC))
             docker_harness.wait_healthy(port)
             setup.setdefault("docker run until healthy", time.perf_counter() - started)
             for name, fn in commands(HostOptions(**opts_base, docker_client=docker_harness.DOCKER)):
@@ -111,6 +111,7 @@ def main() -> int:
             docker_harness.wait_healthy(port)
             setup.setdefault("plain docker restart until healthy", time.perf_counter() - started)
             engine.cli("rm", "-f", f"bench{i}")
+            shutil.rmtree(f"/tmp/dynspec-patch-container-{cid[:12]}", ignore_errors=True)
 
         print(f"set-up (release {args.release})")
         print(f"{'step':<40} {'s':>8}")
