@@ -270,6 +270,10 @@ def apply(
     pid: ServerPid = None,
     port: ServerPort = None,
     health_timeout: HealthTimeout = 1200.0,
+    commit_image: Annotated[
+        str | None,
+        typer.Option(help="(--host, server in a container) docker commit it as this image."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
@@ -286,9 +290,12 @@ def apply(
             pid=pid,
             port=port,
             health_timeout=health_timeout,
+            commit_image=commit_image,
         )
         _render_remote(result, as_json, dry_run)
         return
+    if commit_image is not None:
+        raise UsageError("--commit-image works with --host (a server in a Docker container)")
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
     plan = plan_apply(

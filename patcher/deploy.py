@@ -22,9 +22,11 @@ import json
 import posixpath
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from patcher import container
+from patcher.container import DockerOptions
 from patcher.engine import (
     THRESHOLD_FLAG,
     FileChange,
@@ -60,6 +62,7 @@ class Session:
     conn: Connection
     agent: AgentSession
     faults: Faults
+    docker: DockerOptions = field(default_factory=DockerOptions)
 
     def step(self, name: str) -> None:
         if self.faults.drop_connection_after == name:
@@ -68,12 +71,13 @@ class Session:
 
 @contextmanager
 def session(target: SshTarget, *, accept_new_host_key: bool, faults: Faults | None = None,
-            on_progress: Callable[[str], None] | None = None) -> Iterator[Session]:
+            on_progress: Callable[[str], None] | None = None,
+            docker: DockerOptions | None = None) -> Iterator[Session]:
     conn = Connection(target, accept_new_host_key=accept_new_host_key)
     try:
         conn.open()
         agent = conn.agent(on_progress=on_progress)
-        yield Session(conn, agent, faults or Faults())
+        yield Session(conn, agent, faults or Faults(), docker or DockerOptions())
     finally:
         conn.close()
 
@@ -209,6 +213,7 @@ def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
         "running_threshold": eff.get(FIELD, "absent (unpatched server_args)")
         if facts.effective else None,
         "restart_pending": facts.pending,
+        "container": facts.selected.container if facts.selected else None,
         "recovered_interrupted_commit": facts.recovered,
         "interrupted_commit": facts.interrupted,
         "run_in_progress": facts.busy,
@@ -240,7 +245,7 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
 
 
 def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
-    facts = gather(s.agent, pid=pid, port=port, lock=False)
+    facts = gather(s.agent, pid=pid, port=port, lock=False, docker=s.docker.to_args())
     choose_server(facts, required=False)
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
@@ -252,7 +257,7 @@ def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, A
 
 
 def status(s: Session) -> dict[str, Any]:
-    facts = gather(s.agent, pid=None, port=None, lock=False)
+    facts = gather(s.agent, pid=None, port=None, lock=False, docker=s.docker.to_args())
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors)}
@@ -264,10 +269,15 @@ def status(s: Session) -> dict[str, Any]:
         running = "patched code" if FIELD in info or info.get("speculative_adaptive") else \
             "original code"
     manifest = facts.manifest
+    server = facts.selected
     return {
         **describe(facts, s.conn),
         "host_state": state,
         "server_runs": running,
+        "durability": container.durability(
+            server.container, facts.package_dir,
+            [r.path for r in manifest.files] if manifest and state != "original" else [])
+        if server is not None and server.container is not None else None,
         "manifest": None if manifest is None else {
             "tool_version": manifest.tool_version, "created": manifest.created,
             "user": manifest.user, "sglang_version": manifest.sglang_version,
@@ -384,7 +394,8 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
 def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
                no_restart: bool) -> tuple[HostFacts, ServerProcess | None, str, str]:
     """Facts (locked unless a dry run), the server to act on, the package and config path."""
-    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME])
+    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME],
+                   docker=s.docker.to_args())
     s.step("facts")
     server = choose_server(facts, required=not (dry_run or no_restart))
     package = _require_package(facts)
@@ -394,8 +405,13 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
 
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
-          health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+          health_timeout: float, stop_timeout: float = 60.0,
+          commit_image: str | None = None) -> dict[str, Any]:
+    if commit_image is not None:
+        container.check_tag(commit_image)
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
+    if commit_image is not None and (server is None or server.container is None):
+        raise UsageError("--commit-image needs a server that runs in a Docker container")
     eff = facts.effective.values if facts.effective else {}
     live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
     bs = eff.get("cuda_graph_bs")
@@ -423,7 +439,11 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         if server is not None:
             result["would_run"] = redact_argv(desired_argv(server.argv, plan))
         return result
-    argv = desired_argv(server.argv, plan) if server else None
+    wanted = argv = desired_argv(server.argv, plan) if server else None
+    if server is not None and server.container is not None and argv is not None:
+        argv = container.restart_argv(server.container, server.argv, argv,
+                                      restart_cmd=restart_cmd, no_restart=no_restart,
+                                      commit_image=commit_image)
     precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = False
     if native_change is not None:
@@ -438,6 +458,8 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         changed = True
     result["files_changed"] = [c.path for c in plan.changes]
     expect = expectations(plan, threshold, config_path)
+    if argv != wanted:  # a container keeps its command: prove the patched code, not the flags
+        expect = {} if plan.route == "native" else expectations(plan, None, config_path)
     result["restart"] = _restart_if_needed(
         s, facts, server, argv, expect, changed=changed,
         stale="the running server does not report " + json.dumps(expect),
@@ -445,7 +467,21 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
         base_dir=facts.state_dir if plan.route == "native" else package,
         stop_timeout=stop_timeout)
+    if commit_image is not None and server is not None and wanted is not None:
+        result["image"] = _commit_image(s, server, commit_image, wanted)
     return result
+
+
+def _commit_image(s: Session, server: ServerProcess, tag: str,
+                  wanted: Sequence[str]) -> dict[str, Any]:
+    """``docker commit`` the patched container as ``tag``, with the wanted server command."""
+    assert server.container is not None
+    changes, how = container.image_changes(server.container, server.argv, wanted)
+    done = s.agent.request("commit_image", {
+        "container": server.container["id"], "tag": tag, "changes": changes,
+        "message": "dynspec-patch: " + " ".join(redact_argv(wanted))})
+    return {**done, "command": how, "changes": changes,
+            "recreate_with": container.run_hint(server.container, tag)}
 
 
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
@@ -475,6 +511,10 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                            force=force)
         argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
         expect = {FIELD: "<absent>"}
+    if server is not None and server.container is not None and argv is not None:
+        argv = container.restart_argv(server.container, server.argv, argv,
+                                      restart_cmd=restart_cmd, no_restart=no_restart,
+                                      commit_image=None)
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
     if plan.refused or dry_run:
         if argv is not None:

@@ -253,6 +253,7 @@ class ServerProcess:
     info_endpoint: str | None = None
     info_tried: tuple[Mapping[str, Any], ...] = ()
     log_line: str | None = None
+    container: Mapping[str, Any] | None = None  # docker inspect summary; None on the bare host
 
     @classmethod
     def from_agent(cls, raw: Mapping[str, Any]) -> ServerProcess:
@@ -265,6 +266,7 @@ class ServerProcess:
             listening=tuple(raw.get("listening") or ()), stdout=raw.get("stdout"), raw=raw,
             info=info.get("body"), info_endpoint=info.get("endpoint"),
             info_tried=tuple(info.get("tried") or ()), log_line=raw.get("log_line"),
+            container=raw.get("container"),
         )
 
     def redacted_argv(self) -> list[str]:
@@ -277,6 +279,7 @@ class ServerProcess:
             "environment": "unreadable: " + self.env_error if self.env is None and self.env_error
             else {k: v for k, v in (self.env or {}).items() if k.startswith(("SGLANG_", "SGL_"))},
             "server_info_endpoint": self.info_endpoint,
+            "container_id": self.raw.get("container_id"),
         }
 
 
@@ -354,8 +357,10 @@ def from_agent(raw: Mapping[str, Any], hello: Mapping[str, Any]) -> HostFacts:
 
 
 def gather(agent: Any, *, pid: int | None, port: int | None, lock: bool,
-           state_files: Sequence[str] = ()) -> HostFacts:
-    """One round trip: processes, server info, package, snapshot, manifest, restart mark."""
+           state_files: Sequence[str] = (), docker: Mapping[str, Any] | None = None) -> HostFacts:
+    """One round trip: processes, server info, package, snapshot, manifest, restart mark
+    (for a server in a container: the package inside it, see ``patcher.container``)."""
     raw = agent.request("facts", {"pid": pid, "port": port, "lock": lock,
-                                  "paths": list(SNAPSHOT_PATHS), "state_files": list(state_files)})
+                                  "paths": list(SNAPSHOT_PATHS), "state_files": list(state_files),
+                                  **(docker or {})})
     return from_agent(raw, agent.hello)

@@ -29,13 +29,23 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 AGENT_PROTOCOL = 1
 STATE_DIRNAME = ".dynspec-patch"
 LAUNCH_MODULES = ("sglang.launch_server",)
+# a container's init (docker run --init, tini) carries the server's argv after its own
+INIT_WRAPPERS = ("docker-init", "tini", "tini-static", "dumb-init")
+# how ssh.py starts this agent; the agent starts itself the same way inside a container
+BOOTSTRAP = (
+    "import base64,sys,zlib;"
+    "exec(compile(zlib.decompress(base64.b64decode(sys.argv[1])),'dynspec-agent','exec'),"
+    "{'__name__':'__main__'})"
+)
 PROC = os.environ.get("DYNSPEC_PROC", "/proc")
 
 STAGE_NAME = ".%s.dynspec-stage.tmp"
@@ -196,7 +206,7 @@ def readlink(path):
 
 def is_server_argv(argv):
     """True for ``python -m sglang.launch_server ...`` and ``sglang serve ...``."""
-    if not argv:
+    if not argv or os.path.basename(argv[0]) in INIT_WRAPPERS:
         return False
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in LAUNCH_MODULES:
@@ -332,6 +342,7 @@ def find_servers():
                 "tree": tree,
                 "gid": int(status_field(pid, "Gid") or -1),
                 "sig_ign": status_field(pid, "SigIgn"),
+                "container_id": container_id_of(pid),
             }
         )
     return servers
@@ -483,6 +494,11 @@ def take_lock(state):
     except PermissionError:
         raise Refused("%s is not writable by %s (and sudo -n is not available): nothing was "
                       "written" % (os.path.dirname(state), getpass.getuser())) from None
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise Refused("%s is on a read-only filesystem: nothing was written"
+                      % os.path.dirname(state)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -616,7 +632,11 @@ def op_facts(args):
     chosen = select_servers(servers, args.get("pid"), args.get("port"))
     result = {"servers": servers, "selected": None, "package": None, "errors": []}
     server = chosen[0] if len(chosen) == 1 else None
+    if server is not None and server.get("container_id") is not None:
+        return facts_in_container(server, servers, args)
     if server is not None:
+        if args.get("server_env") is not None:  # read by the host agent (see facts_in_container)
+            server["env"], server["env_error"] = args["server_env"], None
         result["selected"] = server["pid"]
         server["server_info"] = server_info(server)
         if server["server_info"]["body"] is None and server["stdout"]:
@@ -1071,6 +1091,8 @@ def start_and_check(spec, server, args, log_path, expect):
 
 def op_restart(args):
     """Restart with the new command; on failure undo the last commit and restart the original."""
+    if args["server"].get("container"):
+        return restart_container(args)
     state, pkg = args["state_dir"], args["package_dir"]
     take_lock(state)
     server = args["server"]
@@ -1100,13 +1122,460 @@ def op_restart(args):
             result["original_healthy"] = False
             result["rollback_error"] = str(exc2)
         return result
+    op_restart_done({"state_dir": state, "pid": done["pid"]})
+    done["ok_restart"] = True
+    return done
+
+
+def op_restart_done(args):
+    """After a proven restart: no pending mark, no undo copies (the restart cannot be undone)."""
+    state = args["state_dir"]
+    take_lock(state)
     mark = os.path.join(state, "restart-pending.json")
     if os.path.exists(mark):
         os.unlink(mark)
     shutil.rmtree(os.path.join(state, "undo"), ignore_errors=True)
-    audit(state, "restarted: pid %s" % done["pid"])
+    audit(state, "restarted: pid %s" % args.get("pid"))
+    return {}
+
+
+# --------------------------------------------------------------------------- containers
+#
+# A server whose mount namespace is not ours runs in a container. The host agent (this process,
+# on the host) identifies the container and owns everything the host does: ``docker inspect``,
+# ``docker restart``, the health gate, ``docker commit``. Everything that touches the package
+# runs in a second agent started inside the container with ``docker exec`` and the container's
+# own Python (this same program): facts, stage (compile check), commit, undo, and the lock, all
+# on container paths exactly as on a bare host. Requests for it are forwarded (INNER_OPS).
+
+CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
+INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file")
+_docker = {"client": None, "host": None}
+_inner = None  # the agent inside the selected server's container, once facts started it
+_container_lock_fd = None
+
+
+def container_lock_dir(cid):
+    return os.path.join(tempfile.gettempdir(), "dynspec-patch-container-%s" % cid[:12])
+
+
+def lock_container(cid):
+    """A host-side lock per container, held by this agent for the whole command: the lock in
+    the container dies with the agent there when ``docker restart`` stops its processes."""
+    global _container_lock_fd
+    if _container_lock_fd is not None:
+        return
+    os.makedirs(container_lock_dir(cid), mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(container_lock_dir(cid), "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        os.close(fd)
+        raise Busy("another dynspec-patch run works on container %s (%s)"
+                   % (cid[:12], holder or "unknown holder")) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, ("pid %d user %s since %s\n" % (
+        os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
+    _container_lock_fd = fd
+
+
+def same_root(pid):
+    """Whether ``pid`` sees this host's ``/`` (a systemd unit with PrivateTmp has its own
+    mount namespace but the same root; a container has a root of its own)."""
+    if readlink(os.path.join(PROC, str(pid), "ns", "mnt")) == readlink("/proc/self/ns/mnt"):
+        return True
+    try:
+        theirs, ours = os.stat(os.path.join(PROC, str(pid), "root")), os.stat("/")
+    except OSError:
+        return True  # not ours to read (no root): the bare-host path reports what fails
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def container_id_of(pid):
+    """The Docker container ``pid`` runs in: ``None`` on this host's own filesystem, else the
+    id from its cgroup path or its containerd shim's ``-id`` ("" if it names none)."""
+    if same_root(pid):
+        return None
+    for line in (_read_proc(pid, "cgroup") or b"").decode("utf-8", "replace").splitlines():
+        found = CONTAINER_ID.findall(line)
+        if found:
+            return found[-1]
+    seen, current = set(), pid
+    while current > 1 and current not in seen:
+        seen.add(current)
+        argv = argv_of(current) or []
+        if argv and os.path.basename(argv[0]).startswith("containerd-shim"):
+            return flag_value(argv, "-id") or ""
+        st = proc_stat(current)
+        current = st["ppid"] if st else 0
+    return ""
+
+
+def ns_pid(pid):
+    """``pid`` as its own PID namespace (the container) numbers it."""
+    value = None
+    for line in (_read_proc(pid, "status") or b"").decode().splitlines():
+        if line.startswith("NSpid:"):
+            value = int(line.split()[-1])
+    return value if value is not None else pid
+
+
+def docker_daemon_for(cid):
+    """``-H`` of the dockerd whose data root holds container ``cid`` (several engines may run)."""
+    for pid in all_pids():
+        argv = argv_of(pid)
+        if not argv or os.path.basename(argv[0]) != "dockerd":
+            continue
+        root = flag_value(argv, "--data-root") or flag_value(argv, "-g") or "/var/lib/docker"
+        if os.path.isdir(os.path.join(root, "containers", cid)):
+            return flag_value(argv, "-H") or flag_value(argv, "--host")
+    return None
+
+
+def use_docker(args, cid):
+    client = args.get("docker_client") or shutil.which("docker")
+    if not client or not os.access(client, os.X_OK):
+        raise Refused("the server runs in container %s, but there is no docker client on the host "
+                      "(%s); name it with DYNSPEC_DOCKER_CLIENT where dynspec-patch runs: nothing "
+                      "was written" % (cid[:12], client or "docker not on PATH"))
+    _docker["client"] = client
+    _docker["host"] = args.get("docker_host") or docker_daemon_for(cid)
+
+
+def docker_argv(*args):
+    host = ["-H", _docker["host"]] if _docker["host"] else []
+    return [_docker["client"], *host, *args]
+
+
+def docker(*args, timeout=120):
+    proc = subprocess.run(docker_argv(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=timeout)
+    proc.err = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    return proc
+
+
+def inspect_container(cid):
+    proc = docker("inspect", "--type", "container", cid)
+    if proc.returncode != 0:
+        raise Refused("docker inspect %s failed: %s" % (cid[:12], proc.err[0]))
+    c = json.loads(proc.stdout.decode())[0]
+    cfg, host_cfg, state = c.get("Config") or {}, c.get("HostConfig") or {}, c.get("State") or {}
+    labels = cfg.get("Labels") or {}
+    if "com.docker.compose.project" in labels:
+        started = "docker compose (project %s, service %s)" % (
+            labels.get("com.docker.compose.project"), labels.get("com.docker.compose.service"))
+    else:
+        started = "docker run (or the Docker API)"
+    policy = host_cfg.get("RestartPolicy") or {}
+    return {
+        "id": c["Id"], "name": c.get("Name", "").lstrip("/"), "image": cfg.get("Image"),
+        "image_id": c.get("Image"), "created": c.get("Created"),
+        "restart_policy": policy.get("Name") or "no", "started_by": started,
+        "command": [c.get("Path"), *(c.get("Args") or [])],
+        "entrypoint": cfg.get("Entrypoint"), "cmd": cfg.get("Cmd"),
+        "working_dir": cfg.get("WorkingDir"), "user": cfg.get("User"),
+        "network_mode": host_cfg.get("NetworkMode"), "init": host_cfg.get("Init"),
+        "auto_remove": bool(host_cfg.get("AutoRemove")),
+        "read_only": bool(host_cfg.get("ReadonlyRootfs")), "main_pid": state.get("Pid"),
+        "docker_client": _docker["client"], "docker_host": _docker["host"],
+    }
+
+
+def own_code():
+    """This agent's source as the bootstrap takes it (``sys.argv[1]`` when shipped over SSH)."""
+    if len(sys.argv) > 1 and sys.argv[0] == "-c":
+        return sys.argv[1]
+    with open(os.path.abspath(__file__), "rb") as fh:
+        return base64.b64encode(zlib.compress(fh.read(), 9)).decode()
+
+
+class InnerAgent:
+    """This agent run inside a container (``docker exec -i -u 0``, the container's Python)."""
+
+    def __init__(self, container, python):
+        self.container = container
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - the exec's stderr, closed with it
+        self.proc = subprocess.Popen(
+            docker_argv("exec", "-i", "-u", "0", container["id"], python, "-c", BOOTSTRAP,
+                        own_code()),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        hello = self._read()
+        if hello is None:
+            raise Refused("cannot run the agent inside container %s with its %s (needs Python "
+                          ">= 3.8): %s; nothing was written" % (
+                              container["name"], python, self._stderr() or "no output"))
+        self.hello = hello["result"]
+
+    def _stderr(self):
+        self.errors.seek(0)
+        lines = self.errors.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def _read(self):
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                return None
+            try:
+                msg = json.loads(line.decode("utf-8", "replace"))
+            except ValueError:
+                continue
+            if "progress" in msg:
+                progress("[%s] %s" % (self.container["name"], msg["progress"]))
+                continue
+            return msg
+
+    def request(self, op, args):
+        try:
+            self.proc.stdin.write((json.dumps({"op": op, "args": args}) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+        msg = self._read()
+        if msg is None:
+            raise Refused("the agent inside container %s stopped during %s: %s" % (
+                self.container["name"], op, self._stderr() or "no output"))
+        if msg.get("ok"):
+            return msg["result"]
+        if msg.get("kind") == "busy":
+            raise Busy(msg["error"])
+        if msg.get("kind") == "refused":
+            raise Refused(msg["error"])
+        raise RuntimeError("in container %s: %s" % (self.container["name"], msg.get("error")))
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.errors.close()
+
+
+def start_inner(container, python):
+    global _inner
+    if _inner is not None:
+        _inner.close()
+    _inner = None  # a failed start must not leave a dead agent to forward to
+    _inner = InnerAgent(container, python)
+    return _inner
+
+
+def layer_changes(cid, directory):
+    """Paths under ``directory`` that the container's own layer changed (``docker diff``):
+    what a container re-created from its image would not have."""
+    proc = docker("diff", cid)
+    if proc.returncode != 0:
+        return None
+    prefix = directory.rstrip("/") + "/"
+    out = []
+    for line in proc.stdout.decode("utf-8", "replace").splitlines():
+        kind, _, path = line.partition(" ")
+        if path.startswith(prefix) and "/__pycache__" not in path:
+            out.append({"change": kind, "path": path})
+    return out
+
+
+def facts_in_container(server, servers, args):
+    """``facts`` for a server in a container: the host's view of the processes, the
+    container's view (through the inner agent) of the package, its state and its server."""
+    cid = server["container_id"]
+    if not cid:
+        raise Refused("pid %d runs under a root filesystem of its own that is not a Docker "
+                      "container (no container id in its cgroups or ancestors): nothing was "
+                      "written" % server["pid"])
+    use_docker(args, cid)
+    if args.get("lock"):
+        lock_container(cid)
+    container = inspect_container(cid)
+    server["container"] = container
+    server["container_pid"] = ns_pid(server["pid"])
+    python = server["exe"] if server.get("exe") and server["exe"].startswith("/") else \
+        server["argv"][0]
+    inner = start_inner(container, python)
+    inner_args = dict(args, pid=server["container_pid"], port=None, server_env=server["env"])
+    result = inner.request("facts", inner_args)
+    inside = next((s for s in result.get("servers", ())
+                   if s["pid"] == server["container_pid"]), None)
+    if inside is not None:
+        for key in ("server_info", "log_line"):
+            if key in inside:
+                server[key] = inside[key]
+    result["servers"], result["selected"] = servers, server["pid"]
+    result["container_agent"] = inner.hello
+    if not args.get("lock") and not result.get("busy"):
+        result["busy"] = lock_holder(container_lock_dir(cid))
+    package = (result.get("package") or {}).get("package_dir")
+    if package:
+        container["layer_changes"] = layer_changes(cid, os.path.dirname(package))
+    return result
+
+
+class RunningContainer:
+    """``gate``'s process handle for a container: ``poll()`` is its exit code once it stops."""
+
+    def __init__(self, cid):
+        self.cid = cid
+        self.returncode = None
+
+    def poll(self):
+        proc = docker("inspect", "--type", "container", "-f",
+                      "{{.State.Running}} {{.State.Restarting}} {{.State.ExitCode}}", self.cid)
+        if proc.returncode != 0:
+            self.returncode = "gone"
+            return self.returncode
+        running, restarting, code = proc.stdout.decode().split()
+        if running == "true" and restarting == "false":
+            return None
+        self.returncode = "%s (restarting)" % code if restarting == "true" else code
+        return self.returncode
+
+
+def container_log_tail(cid, since):
+    proc = docker("logs", "--since", since, "--tail", "5", cid)
+    text = (proc.stdout + proc.stderr).decode("utf-8", "replace").strip().splitlines()
+    return " | ".join(text[-5:])
+
+
+def restart_and_gate(server, args, expect, log_path, restart_cmd):
+    """Restart the container (``docker restart``, or the user's command), gate on health and
+    a tiny generation, prove ``expect`` in server info; the new server's host pid."""
+    container = server["container"]
+    host, port = connect_host(server), server_port(server)
+    api_key = flag_value(server["argv"], "--api-key")
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
+    if restart_cmd:
+        progress("running restart command")
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            rc = subprocess.run(["/bin/sh", "-c", restart_cmd], stdin=subprocess.DEVNULL,
+                                stdout=fd, stderr=subprocess.STDOUT, timeout=600).returncode
+        finally:
+            os.close(fd)
+        if rc != 0:
+            raise Refused("restart command exited %d: %s" % (rc, log_tail(log_path)))
+        watch = None
+    else:
+        stop_timeout = int(args.get("stop_timeout", 60))
+        progress("docker restart %s" % container["name"])
+        proc = docker("restart", "-t", str(stop_timeout), container["id"],
+                      timeout=stop_timeout + 120)
+        if proc.returncode != 0:
+            raise Refused("docker restart %s failed: %s" % (container["name"], proc.err[0]))
+        watch = RunningContainer(container["id"])
+    deadline = time.time() + args.get("stop_timeout", 60)
+    while time.time() < deadline and alive(server["pid"]):
+        time.sleep(0.05)
+    if alive(server["pid"]):
+        raise Refused("the old server (pid %d) still runs after the restart" % server["pid"])
+    try:
+        gate(watch, host, port, api_key, args["health_timeout"], log_path)
+    except Refused as exc:
+        raise Refused("%s; docker logs: %s" % (
+            exc, container_log_tail(container["id"], since))) from None
+    proof = prove(host, port, api_key, expect)
+    new = find_by_port(port, 30)
+    return {"pid": new["pid"] if new else None, "proof": proof,
+            "log": log_path if restart_cmd else "docker logs %s" % container["name"],
+            "gpu": "not checked (container)",
+            "container_id": new.get("container_id") if new else None}
+
+
+def undo_stopped(container, state, pkg, stop_timeout):
+    """Undo the last commit in a container that may be crash-looping (no ``docker exec``
+    then): stop it, mount its overlay2 layers on the host the way dockerd does, and run the
+    same ``undo`` on the mounted tree."""
+    proc = docker("stop", "-t", str(int(stop_timeout)), container["id"], timeout=stop_timeout + 60)
+    if proc.returncode != 0:
+        raise Refused("docker stop %s failed: %s" % (container["name"], proc.err[0]))
+    proc = docker("inspect", "--type", "container", "-f", "{{json .GraphDriver}}", container["id"])
+    if proc.returncode != 0:
+        raise Refused("docker inspect %s failed: %s" % (container["name"], proc.err[0]))
+    driver = json.loads(proc.stdout.decode())
+    if driver.get("Name") != "overlay2":
+        raise Refused("storage driver %s: cannot reach the stopped container's files"
+                      % driver.get("Name"))
+    data = driver["Data"]
+    layers = os.path.dirname(os.path.dirname(data["UpperDir"]))  # <data-root>/overlay2
+    lowers = []
+    for lower in data["LowerDir"].split(":"):  # short links keep the options under a page
+        with open(os.path.join(os.path.dirname(lower), "link")) as fh:
+            lowers.append("l/" + fh.read().strip())
+    own = os.path.relpath(os.path.dirname(data["UpperDir"]), layers)
+    target = tempfile.mkdtemp(prefix="dynspec-container-")
+    options = "lowerdir=%s,upperdir=%s/diff,workdir=%s/work" % (":".join(lowers), own, own)
+    mount = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, target],
+                           cwd=layers, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if mount.returncode != 0:
+        os.rmdir(target)
+        raise Refused("cannot mount the stopped container's layers: %s"
+                      % mount.stderr.decode("utf-8", "replace").strip())
+    try:
+        return undo(target + state, target + pkg)
+    finally:
+        subprocess.run(["umount", target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.rmdir(target)
+
+
+def restart_container(args):
+    """``op_restart`` for a server in a container; on failure undo the commit in the
+    container's files and start the original again."""
+    global _inner
+    server = args["server"]
+    container = server["container"]
+    log_path = os.path.join(tempfile.gettempdir(), "dynspec-patch-%s-%s.log" % (
+        container["id"][:12], time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())))
+    python = server["exe"] if (server.get("exe") or "").startswith("/") else server["argv"][0]
+    try:
+        done = restart_and_gate(server, args, args.get("expect"), log_path,
+                                args.get("restart_cmd"))
+    except Exception as exc:
+        reason = str(exc) or exc.__class__.__name__
+        progress("restart failed: %s; restoring the original files in %s"
+                 % (reason, container["name"]))
+        result = {"ok_restart": False, "reason": reason,
+                  "log": log_path if args.get("restart_cmd") else "docker logs %s" % (
+                      container["name"])}
+        try:
+            if _inner is not None:  # it died with the container's processes
+                _inner.close()
+                _inner = None
+            if args.get("undo", True):
+                result["restored"] = undo_stopped(container, args["state_dir"],
+                                                  args["package_dir"], args.get("stop_timeout", 60))
+            again = restart_and_gate(server, args, args.get("expect_original"), log_path, None)
+            result["original_healthy"] = True
+            result["pid"] = again["pid"]
+        except Exception as exc2:
+            result["original_healthy"] = False
+            result["rollback_error"] = str(exc2)
+        return result
+    if done["container_id"] and done["container_id"] != container["id"]:
+        container = inspect_container(done["container_id"])  # --restart-cmd re-created it
+    inner = start_inner(container, python)
+    inner.request("restart_done", {"state_dir": args["state_dir"], "pid": done["pid"]})
     done["ok_restart"] = True
+    done["container"] = container["name"]
     return done
+
+
+def op_commit_image(args):
+    """``docker commit`` the container as ``tag`` (``changes``: Dockerfile lines such as CMD)."""
+    argv = ["commit"]
+    for change in args.get("changes") or ():
+        argv += ["--change", change]
+    argv += ["-m", args.get("message") or "dynspec-patch", args["container"], args["tag"]]
+    proc = docker(*argv, timeout=600)
+    if proc.returncode != 0:
+        raise Refused("docker commit failed: %s" % proc.err[0])
+    return {"image_id": proc.stdout.decode().strip(), "tag": args["tag"]}
 
 
 OPS = {
@@ -1118,6 +1587,8 @@ OPS = {
     "discard_staged": op_discard_staged,
     "write_file": op_write_file,
     "restart": op_restart,
+    "restart_done": op_restart_done,
+    "commit_image": op_commit_image,
 }
 
 
@@ -1130,7 +1601,10 @@ def main():
             continue
         try:
             req = json.loads(line)
-            result = OPS[req["op"]](req.get("args") or {})
+            if _inner is not None and req["op"] in INNER_OPS:
+                result = _inner.request(req["op"], req.get("args") or {})
+            else:
+                result = OPS[req["op"]](req.get("args") or {})
             emit({"ok": True, "result": result})
         except (Refused, Busy) as exc:
             emit({"ok": False, "kind": exc.kind, "error": str(exc)})
@@ -1141,6 +1615,8 @@ def main():
     for tmp in _staged:  # the client left between stage and commit: leave no debris
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if _inner is not None:
+        _inner.close()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from patcher import deploy
+from patcher.container import DockerOptions
 from patcher.deploy import Faults
 from patcher.ssh import resolve_target
 
@@ -28,6 +29,8 @@ class HostOptions:
     ssh_config: str | None = None
     accept_new_host_key: bool = False
     connect_timeout: float = 15.0
+    docker_client: str | None = None  # else $DYNSPEC_DOCKER_CLIENT, else docker on the host
+    docker_host: str | None = None  # else $DYNSPEC_DOCKER_HOST, else the container's dockerd
 
 
 def _run(opts: HostOptions, fn: Callable[..., dict[str, Any]], faults: Faults | None = None,
@@ -39,8 +42,9 @@ def _run(opts: HostOptions, fn: Callable[..., dict[str, Any]], faults: Faults | 
         connect_timeout=opts.connect_timeout,
     )
     accept_new = opts.accept_new_host_key or target.accept_new_host_key
+    docker = DockerOptions.resolve(opts.docker_client, opts.docker_host)
     with deploy.session(target, accept_new_host_key=accept_new, faults=faults,
-                        on_progress=on_progress) as s:
+                        on_progress=on_progress, docker=docker) as s:
         result = fn(s, **kwargs)
         stats = s.conn.stats
         result["ssh"] = {"connections": stats.connections, "round_trips": stats.round_trips,
@@ -57,11 +61,14 @@ def detect_path(opts: HostOptions, *, pid: int | None, port: int | None) -> dict
 def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: bool,
           no_restart: bool, restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
-          on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Patch the host's sglang (or write the native config), then restart and prove it."""
+          on_progress: Callable[[str], None] | None = None,
+          commit_image: str | None = None) -> dict[str, Any]:
+    """Patch the host's sglang (or write the native config), then restart and prove it; for a
+    server in a container, optionally ``docker commit`` it as ``commit_image``."""
     return _run(opts, deploy.apply, faults, on_progress, threshold=threshold, worker=worker,
                 dry_run=dry_run, no_restart=no_restart, restart_cmd=restart_cmd, pid=pid,
-                port=port, health_timeout=health_timeout, stop_timeout=stop_timeout)
+                port=port, health_timeout=health_timeout, stop_timeout=stop_timeout,
+                commit_image=commit_image)
 
 
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,

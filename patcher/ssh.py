@@ -31,6 +31,7 @@ from typing import Any
 import paramiko
 
 from patcher.errors import DynspecError, RefusedError, UsageError
+from patcher.remote_agent import BOOTSTRAP  # the agent starts itself the same way in a container
 
 
 class ConnectError(DynspecError):
@@ -456,11 +457,6 @@ def agent_source() -> bytes:
     return (resources.files("patcher") / "remote_agent.py").read_bytes()
 
 
-BOOTSTRAP = (
-    "import base64,sys,zlib;"
-    "exec(compile(zlib.decompress(base64.b64decode(sys.argv[1])),'dynspec-agent','exec'),"
-    "{'__name__':'__main__'})"
-)
 
 
 def agent_command(use_sudo: bool) -> str:

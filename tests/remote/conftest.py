@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from remote_harness import HOSTILE, OP_USER, FakeServer, Sshd
 
 _counter = itertools.count()
 _HOSTS: list[Host] = []
+_DOCKER_TIMINGS: dict[str, float] = {}  # printed in the summary when the container tier ran
 
 
 @pytest.fixture(scope="session")
@@ -138,3 +140,98 @@ def pytest_collection_modifyitems(items: list) -> None:
         if "tests/remote" in str(item.fspath):
             item.add_marker(pytest.mark.ssh)
 
+
+
+# --------------------------------------------------------------------------- Docker containers
+
+
+@pytest.fixture(scope="session")
+def docker_engine(sshd: Sshd, remote_base: Path) -> Iterator:
+    """A real dockerd (Debian's docker.io) on the test host, stopped at the end of the session."""
+    import docker_harness
+
+    engine = docker_harness.start_engine(remote_base / "docker", sshd.ns_init, harness._TAG)
+    engine.timings = _DOCKER_TIMINGS
+    _DOCKER_TIMINGS["dockerd start (until it answers)"] = engine.started_in
+    yield engine
+    stopping = time.perf_counter()
+    engine.stop()
+    _DOCKER_TIMINGS["dockerd stop (containers removed)"] = time.perf_counter() - stopping
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _DOCKER_TIMINGS:
+        terminalreporter.section("Docker engine timings (s)")
+        for name, seconds in _DOCKER_TIMINGS.items():
+            terminalreporter.write_line(f"{name:<40} {seconds:8.2f}")
+
+
+@pytest.fixture(scope="session")
+def sglang_image(docker_engine, remote_base: Path) -> str:
+    """``dynspec-test/sglang:0.5.10.post1``: a root fs made here, imported offline."""
+    import docker_harness
+
+    tag = "dynspec-test/sglang:0.5.10.post1"
+    started = time.perf_counter()
+    docker_harness.build_rootfs(remote_base / "rootfs", "0.5.10.post1")
+    docker_engine.timings["rootfs build"] = time.perf_counter() - started
+    docker_engine.timings["docker import"] = docker_harness.import_image(
+        docker_engine, remote_base / "rootfs", tag)
+    shutil.rmtree(remote_base / "rootfs")
+    return tag
+
+
+class ContainerHost:
+    """The test host with one SGLang server running in a Docker container (host network)."""
+
+    def __init__(self, sshd: Sshd, engine, image: str) -> None:
+        self.sshd = sshd
+        self.engine = engine
+        self.image = image
+        self.names: list[str] = []
+        self.ids: set[str] = set()
+
+    def options(self, **kw: object):
+        from patcher.remote_commands import HostOptions
+
+        kw.setdefault("docker_client", "/usr/bin/docker")
+        return HostOptions(host="127.0.0.1", port=self.sshd.port, user=OP_USER,
+                           identity_file=str(self.sshd.client_key),
+                           known_hosts=str(self.sshd.known_hosts),
+                           ssh_config=str(self.sshd.base / "ssh_config"), **kw)
+
+    def run(self, *args: str, env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+            image: str | None = None, command: list[str] | None = None) -> tuple[str, int]:
+        import docker_harness
+
+        port = harness.free_port()
+        name = f"sglang-{harness._TAG}-{next(_counter)}"
+        self.names.append(name)
+        started = time.perf_counter()
+        self.ids.add(docker_harness.run_container(
+            self.engine, image or self.image, name,
+            docker_harness.server_argv(port, *args) if command is None else command, env, extra))
+        docker_harness.wait_healthy(port)
+        self.engine.timings.setdefault("docker run until healthy (first)",
+                                       time.perf_counter() - started)
+        return name, port
+
+    def remove(self) -> None:
+        """Remove the containers, and what the agent kept for them in the host's /tmp (the
+        per-container lock, restart-command logs)."""
+        if not self.names:
+            return
+        ids = self.engine.cli("inspect", "-f", "{{.Id}}", *self.names,
+                              check=False).stdout.decode().split()
+        self.engine.cli("rm", "-f", *self.names, check=False)
+        for cid in self.ids | set(ids):  # a --restart-cmd may have re-created one
+            shutil.rmtree(f"/tmp/dynspec-patch-container-{cid[:12]}", ignore_errors=True)
+            for log in Path("/tmp").glob(f"dynspec-patch-{cid[:12]}-*.log"):
+                log.unlink()
+
+
+@pytest.fixture
+def container_host(sshd: Sshd, docker_engine, sglang_image: str) -> Iterator[ContainerHost]:
+    made = ContainerHost(sshd, docker_engine, sglang_image)
+    yield made
+    made.remove()
