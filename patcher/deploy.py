@@ -46,6 +46,9 @@ ADAPTIVE_BARE = "--speculative-adaptive"
 ADAPTIVE_CONFIG = "--speculative-adaptive-config"
 
 
+BeforeRestart = Callable[["Session", ServerProcess], None]
+
+
 @dataclass(frozen=True)
 class Faults:
     """Test hooks: drop the connection after a step, or make the agent die mid-commit."""
@@ -349,13 +352,10 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
             "verified_through_ssh_tunnel": verified}
 
 
-def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | None,
-                       argv: list[str] | None, expect: Mapping[str, Any], *, changed: bool,
-                       stale: str, not_needed: str, no_restart: bool, restart_cmd: str | None,
-                       health_timeout: float, base_dir: str | None,
-                       stop_timeout: float) -> dict[str, Any] | str:
-    """Restart when files changed, a restart was pending, or the server does not prove
-    ``expect`` (``stale``); with ``--no-restart`` (or no server) leave a pending mark."""
+def restart_reasons(facts: HostFacts, server: ServerProcess | None, argv: list[str] | None,
+                    expect: Mapping[str, Any], *, changed: bool, stale: str,
+                    restart_cmd: str | None) -> list[str]:
+    """Why the server must restart (empty: it need not)."""
     reasons = []
     if changed:
         reasons.append("files changed")
@@ -365,6 +365,32 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
         reasons.append(stale)
     if server is not None and argv != list(server.argv) and not restart_cmd:
         reasons.append("the launch flags change")
+    return reasons
+
+
+def _restart_preview(facts: HostFacts, server: ServerProcess | None, argv: list[str] | None,
+                     expect: Mapping[str, Any], *, changed: bool, stale: str,
+                     no_restart: bool, restart_cmd: str | None) -> str:
+    """What a real run would do about the restart (for a dry run)."""
+    reasons = restart_reasons(facts, server, argv, expect, changed=changed, stale=stale,
+                              restart_cmd=restart_cmd)
+    if not reasons:
+        return "not needed"
+    if no_restart or server is None:
+        return "would leave a restart pending: " + "; ".join(reasons)
+    return "would restart: " + "; ".join(reasons)
+
+
+def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | None,
+                       argv: list[str] | None, expect: Mapping[str, Any], *, changed: bool,
+                       stale: str, not_needed: str, no_restart: bool, restart_cmd: str | None,
+                       health_timeout: float, base_dir: str | None, stop_timeout: float,
+                       before_restart: BeforeRestart | None = None) -> dict[str, Any] | str:
+    """Restart when files changed, a restart was pending, or the server does not prove
+    ``expect`` (``stale``); with ``--no-restart`` (or no server) leave a pending mark.
+    ``before_restart`` runs just before the server is stopped (e.g. take it out of a router)."""
+    reasons = restart_reasons(facts, server, argv, expect, changed=changed, stale=stale,
+                              restart_cmd=restart_cmd)
     if not reasons:
         return "not needed: " + not_needed
     if no_restart or server is None:
@@ -374,6 +400,8 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
                                                "; ".join(reasons), argv)).encode())})
         return "pending (--no-restart): " + "; ".join(reasons)
     assert argv is not None
+    if before_restart is not None:
+        before_restart(s, server)
     done = _restart(s, facts, server, argv, restart_cmd=restart_cmd,
                     health_timeout=health_timeout, expect=expect, base_dir=base_dir,
                     stop_timeout=stop_timeout)
@@ -394,7 +422,8 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
 
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
-          health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+          health_timeout: float, stop_timeout: float = 60.0,
+          before_restart: BeforeRestart | None = None) -> dict[str, Any]:
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
     eff = facts.effective.values if facts.effective else {}
     live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
@@ -419,11 +448,17 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
             plan = Plan(plan.operation, plan.sglang_version, plan.route, plan.reason,
                         (*plan.files, native_change), plan.native, plan.server_flags)
     result["plan"] = plan
-    if plan.refused or dry_run:
-        if server is not None:
-            result["would_run"] = redact_argv(desired_argv(server.argv, plan))
-        return result
     argv = desired_argv(server.argv, plan) if server else None
+    expect = expectations(plan, threshold, config_path)
+    stale = "the running server does not report " + json.dumps(expect)
+    if plan.refused or dry_run:
+        if argv is not None:
+            result["would_run"] = redact_argv(argv)
+        if not plan.refused:
+            result["restart"] = _restart_preview(
+                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
+                no_restart=no_restart, restart_cmd=restart_cmd)
+        return result
     precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = False
     if native_change is not None:
@@ -437,20 +472,19 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
                           keep_manifest=False, action="apply", argv=argv)
         changed = True
     result["files_changed"] = [c.path for c in plan.changes]
-    expect = expectations(plan, threshold, config_path)
     result["restart"] = _restart_if_needed(
-        s, facts, server, argv, expect, changed=changed,
-        stale="the running server does not report " + json.dumps(expect),
+        s, facts, server, argv, expect, changed=changed, stale=stale,
         not_needed="files already patched and the server reports " + json.dumps(expect),
         no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
         base_dir=facts.state_dir if plan.route == "native" else package,
-        stop_timeout=stop_timeout)
+        stop_timeout=stop_timeout, before_restart=before_restart)
     return result
 
 
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
-           health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+           health_timeout: float, stop_timeout: float = 60.0,
+           before_restart: BeforeRestart | None = None) -> dict[str, Any]:
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
     route = plan_status(facts.snapshot).route
     if route == "native":
@@ -476,9 +510,14 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
         argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
         expect = {FIELD: "<absent>"}
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
+    stale = "the running server still runs the patch"
     if plan.refused or dry_run:
         if argv is not None:
             result["would_run"] = redact_argv(argv)
+        if not plan.refused:
+            result["restart"] = _restart_preview(
+                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
+                no_restart=no_restart, restart_cmd=restart_cmd)
         return result
     precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = bool(plan.changes)
@@ -489,11 +528,11 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                           keep_manifest=route == "native", action="revert", argv=argv)
     result["files_changed"] = [c.path for c in plan.changes]
     result["restart"] = _restart_if_needed(
-        s, facts, server, argv, expect, changed=changed,
-        stale="the running server still runs the patch", not_needed="nothing was patched",
+        s, facts, server, argv, expect, changed=changed, stale=stale,
+        not_needed="nothing was patched",
         no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
         base_dir=facts.state_dir if route == "native" else package,
-        stop_timeout=stop_timeout)
+        stop_timeout=stop_timeout, before_restart=before_restart)
     return result
 
 
