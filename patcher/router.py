@@ -234,11 +234,19 @@ class Rotation:
 
 
 def rolling(s: Any, *, operation: Operation, rotation: Rotation | None,
+            observe_restart: Callable[[Any, ServerProcess], None] | None = None,
             **kwargs: Any) -> dict[str, Any]:
     """Run ``deploy.apply`` / ``deploy.revert`` on session ``s``; with a ``rotation``, the
-    server is out of the router only while it restarts (see the module docstring)."""
+    server is out of the router only while it restarts (see the module docstring).
+    ``observe_restart`` is told which server is about to be stopped."""
     if rotation is None:
-        return operation(s, **kwargs)
+        return operation(s, before_restart=observe_restart, **kwargs)
+
+    def before_restart(s: Any, server: ServerProcess) -> None:
+        if observe_restart is not None:
+            observe_restart(s, server)
+        rotation.before_restart(s, server)
+
     dry_run = kwargs.pop("dry_run")
     preview = operation(s, dry_run=True, **kwargs)
     restart = str(preview.get("restart", ""))
@@ -251,12 +259,12 @@ def rolling(s: Any, *, operation: Operation, rotation: Rotation | None,
         if dry_run:
             preview["router"] = rotation.report
             return preview
-        result = operation(s, dry_run=False, **kwargs)
+        result = operation(s, dry_run=False, before_restart=observe_restart, **kwargs)
         result["router"] = rotation.report
         return result
     rotation.resolve(preview, s.conn.target.hostname)
     try:
-        result = operation(s, dry_run=False, before_restart=rotation.before_restart, **kwargs)
+        result = operation(s, dry_run=False, before_restart=before_restart, **kwargs)
     except DynspecError as exc:
         if rotation.left_out:
             raise type(exc)(f"{exc}; {rotation.worker_url} is left OUT of the router "
