@@ -27,7 +27,8 @@ def test_roll_stops_at_a_failed_restart_which_is_rolled_back_and_left_out(fleet)
     try:
         time.sleep(1.0)
         run = ansible_playbook(workdir, inventory, "dynspec.patch.roll",
-                               "-e", "dynspec_threshold=24", "-e", f"sglang_router_url={router.url}",
+                               "-e", "dynspec_threshold=24",
+                               "-e", f"sglang_router_url={router.url}",
                                "-e", "dynspec_health_timeout=30")
         time.sleep(0.5)
     finally:
