@@ -12,8 +12,10 @@ Who talks to whom:
 The worker leaves the router only when the server really restarts; a run that changes nothing
 (or a dry run) leaves the router alone. Order:
 
-1. before anything is written: the worker must be listed by the router (else refused);
-2. just before the server is stopped: ``DELETE /workers/{id}``; wait until it is unlisted;
+1. before anything is written: the worker must be listed by the router, and another healthy
+   worker must remain to take the traffic (else refused);
+2. just before the server is stopped (after checking again that another healthy worker
+   remains): ``DELETE /workers/{id}``; wait until it is unlisted;
 3. wait until the server has had no request in flight for ``settle`` seconds
    (at most ``drain_timeout``; a server without a load endpoint gets ``settle`` plus a fixed
    ``grace`` instead). If it does not drain, it is put back and nothing is restarted;
@@ -205,16 +207,31 @@ class Rotation:
                                    "nothing was written")
             self.worker_url = f"http://{hostname}:{port}"
         self.report.update(url=self.router.url, worker=self.worker_url)
-        self._worker = self.router.find(self.worker_url)
+        workers = self.router.workers()
+        self._worker = next((w for w in workers if _same_url(w.get("url"), self.worker_url)),
+                            None)
         if self._worker is None:
-            listed = ", ".join(w.get("url", "?") for w in self.router.workers()) or "none"
+            listed = ", ".join(w.get("url", "?") for w in workers) or "none"
             raise RefusedError(
                 f"{self.worker_url} is not a worker of the router {self.router.url} (it lists: "
                 f"{listed}); give the URL the router knows it by (--router-worker-url / "
                 "router_worker_url); nothing was written")
+        self._require_another(workers, "nothing was written")
+
+    def _require_another(self, workers: list[dict[str, Any]], consequence: str) -> None:
+        """Taking the router's last healthy worker out would fail every request: refuse."""
+        others = [w for w in workers if w.get("is_healthy", True)
+                  and not _same_url(w.get("url"), self.worker_url)]
+        if not others:
+            raise RefusedError(
+                f"{self.worker_url} is the only healthy worker of the router {self.router.url}: "
+                f"taking it out would fail every request; {consequence} (roll one server at a "
+                "time, serial: 1, or run without the router)")
 
     def before_restart(self, s: Any, server: ServerProcess) -> None:
         assert self._worker is not None, "resolve() first"
+        self._require_another(self.router.workers(),
+                              "the files are patched, the restart is pending")
         self.report["removed_seconds"] = round(self.router.remove(self._worker,
                                                                   self.add_timeout), 3)
         self.report["removed"] = True
