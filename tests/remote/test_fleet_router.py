@@ -1,7 +1,8 @@
 """``apply --host H --router URL`` behind a real sglang-router under load: each server leaves
 the router, drains, restarts and comes back, and no request fails; without ``--router`` the
 same roll drops requests (so the load generator does see drops); a failed restart leaves the
-server out of the router; a worker the router does not list is refused before writing."""
+server out of the router; a worker the router does not list, or its last healthy one, is
+refused before writing."""
 
 from __future__ import annotations
 
@@ -111,6 +112,13 @@ def test_failed_restart_leaves_the_worker_out_and_refusals_write_nothing(fleet, 
     assert bad.server.get("/health")[0] == 200
     assert router.healthy_workers() == {good.worker_url}
     assert report.failed == 0, report.reasons
+
+    # the router's last healthy worker is never taken out: refused before writing (exit 3)
+    good_before = tree_bytes(good.package)
+    code, _, err = cli_host(capsys, good, "apply", "--threshold", "16", "--router", router.url)
+    assert code == 3 and "only healthy worker" in err, err
+    assert tree_bytes(good.package) == good_before
+    assert router.healthy_workers() == {good.worker_url}
 
     # --router is for --host only
     assert cli.run(["apply", "--sglang-root", str(bad.package), "--router", router.url]) == 2
