@@ -10,7 +10,8 @@ For each fleet size it times
 - a check-mode run (``--check --diff``, every host at once with ``--forks N``), and
 - a rolling apply through the router (``serial: 1``, restart + health gate included),
 and counts the requests that failed during the roll. Goal: 16 hosts in check mode within 2x
-the time of one host; 0 failed requests.
+the time of one host; 0 failed requests. The controller's plan cache (patcher/plan_cache.py)
+is emptied before each check-mode run, so each size plans its release once, cold.
 
     python benchmarks/fleet.py [--sizes 1 4 16] [--release 0.5.10.post1]
 """
@@ -31,12 +32,15 @@ sys.path.insert(0, str(ROOT / "tests" / "remote"))
 import fleet_harness as fleet  # noqa: E402
 import remote_harness as harness  # noqa: E402
 
+from patcher.releases import cache_dir  # noqa: E402
+
 
 def run_size(base: Path, pristine: Path, size: int) -> dict[str, Any]:
     hosts, _ = fleet.make_fleet(base, pristine, size)
     router = fleet.Router.start(base, [h.worker_url for h in hosts])
     try:
         inventory = fleet.write_inventory(base / "inventory.json", hosts)
+        shutil.rmtree(cache_dir() / "plans", ignore_errors=True)  # every size plans once, cold
         started = time.perf_counter()
         check = fleet.ansible_playbook(base, inventory, "dynspec.patch.roll", "--check",
                                        "--diff", "--forks", str(size), "-e", "dynspec_serial=100%",

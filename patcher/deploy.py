@@ -25,12 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from patcher import plan_cache
 from patcher.engine import (
     THRESHOLD_FLAG,
     FileChange,
     Plan,
     next_manifest,
-    plan_apply,
     plan_revert,
     plan_status,
 )
@@ -428,7 +428,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
     eff = facts.effective.values if facts.effective else {}
     live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
     bs = eff.get("cuda_graph_bs")
-    plan = plan_apply(
+    plan = plan_cache.plan_apply(  # a fleet of one release is planned once per controller
         facts.snapshot, worker=worker, live_worker=live, threshold=threshold,
         num_steps=eff.get("speculative_num_steps"),
         cuda_graph_bs=bs if isinstance(bs, list) else None,
