@@ -16,6 +16,16 @@ from ansible_collections.dynspec.patch.plugins.module_utils.sglang_dynspec_spec 
     ARGUMENT_SPEC,
 )
 
+# Imported here, not in run(): the strategy loads this class in the ansible-playbook process
+# before it forks a worker per host, so the forks inherit dynspec-patch already imported.
+try:
+    from patcher import fleet
+    from patcher.errors import DynspecError
+
+    MISSING = None
+except ImportError as exc:
+    MISSING = str(exc)
+
 
 def _option(connection: Any, name: str, default: Any = None) -> Any:
     try:
@@ -34,13 +44,11 @@ class ActionModule(ActionBase):
     def run(self, tmp: Any = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
         result = super().run(tmp, task_vars)
         _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
-        try:
-            from patcher import fleet
-            from patcher.errors import DynspecError
-        except ImportError as exc:
+        if MISSING is not None:
             return {**result, "failed": True,
                     "msg": "the dynspec-patch Python package is not installed for the Python "
-                           f"that runs Ansible on the controller ({exc}); pip install it there"}
+                           f"that runs Ansible on the controller ({MISSING}); pip install it "
+                           "there"}
         pc = self._play_context
         if pc.become and (pc.become_method or "sudo") != "sudo":
             return {**result, "failed": True,
