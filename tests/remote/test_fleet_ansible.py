@@ -97,3 +97,38 @@ def test_check_mode_diff_then_apply_then_nothing_to_do(fleet):
     for h in hosts:
         assert tree_bytes(h.package) == before[h.name]
         assert THRESHOLD not in h.server.info()
+
+
+def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+    from fleet_harness import ROOT, _bin
+
+    collection = ROOT / "ansible_collections" / "dynspec" / "patch"
+    built = subprocess.run([_bin("ansible-galaxy"), "collection", "build", str(collection),
+                            "--output-path", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "dynspec-patch-0.1.0.tar.gz").exists()
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from ansible_collections.dynspec.patch.plugins.module_utils.sglang_dynspec_spec import (
+            ARGUMENT_SPEC,
+        )
+        from ansible_collections.dynspec.patch.plugins.modules import sglang_dynspec
+    finally:
+        sys.path.remove(str(ROOT))
+    documented = yaml.safe_load(sglang_dynspec.DOCUMENTATION)["options"]
+    assert set(documented) == set(ARGUMENT_SPEC)
+    for name, spec in ARGUMENT_SPEC.items():
+        doc = documented[name]
+        assert doc["type"] == spec["type"], name
+        assert doc.get("default") == spec.get("default"), name
+        assert doc.get("choices") == spec.get("choices"), name
+    yaml.safe_load(sglang_dynspec.EXAMPLES)
+    returned = yaml.safe_load(sglang_dynspec.RETURN)
+    assert {"route", "live_worker", "files", "server_pid_before", "server_pid_after",
+            "rolled_back", "router"} <= set(returned)
