@@ -36,6 +36,16 @@ def _jump_without_brackets(jump: str) -> str:
     return ",".join(re.sub(r"\[([^\]:]+)\]", r"\1", hop) for hop in jump.split(","))
 
 
+def _config_file(ssh_args: Sequence[str]) -> str | None:
+    """The ``-F file`` among ssh options, if any."""
+    for i, arg in enumerate(ssh_args):
+        if arg == "-F" and i + 1 < len(ssh_args):
+            return os.path.expanduser(ssh_args[i + 1])
+        if arg.startswith("-F") and len(arg) > 2:
+            return os.path.expanduser(arg[2:])
+    return None
+
+
 def ssh_target(host: str, *, port: int | None = None, user: str | None = None,
                private_key_file: str | None = None, ssh_args: Sequence[str] = (),
                connect_timeout: float = 15.0) -> SshTarget:
@@ -66,6 +76,7 @@ def ssh_target(host: str, *, port: int | None = None, user: str | None = None,
     if single.get("proxycommand", "none") != "none":
         raise UsageError(f"{host}: ProxyCommand is not supported; use ProxyJump (-J)")
     jump = single.get("proxyjump", "none")
+    config = _config_file(ssh_args)
     timeout = single.get("connecttimeout", "none")
     return SshTarget(
         alias=host,
@@ -78,6 +89,7 @@ def ssh_target(host: str, *, port: int | None = None, user: str | None = None,
                           for p in single.get("userknownhostsfile", "").split()),
         connect_timeout=connect_timeout if timeout == "none" else float(timeout),
         keepalive=int(single.get("serveraliveinterval", "0")) or 15,
+        config_path=config,  # ProxyJump hops are looked up there (ssh -F), as ssh does
         accept_new_host_key=single.get("stricthostkeychecking") == "accept-new",
     )
 

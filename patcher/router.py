@@ -288,6 +288,11 @@ def rolling(s: Any, *, operation: Operation, rotation: Rotation | None,
                             f"{rotation.router.url}") from exc
         raise
     if rotation.report.get("removed"):
-        rotation.add_back()
+        try:
+            rotation.add_back()
+        except RouterError as exc:
+            raise RouterError(f"the server restarted and runs the new code, but {exc}; "
+                              f"{rotation.worker_url} is left OUT of the router "
+                              f"{rotation.router.url}") from exc
     result["router"] = rotation.report
     return result

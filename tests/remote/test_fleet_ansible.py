@@ -132,3 +132,27 @@ def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_p
     returned = yaml.safe_load(sglang_dynspec.RETURN)
     assert {"route", "live_worker", "files", "server_pid_before", "server_pid_after",
             "rolled_back", "router"} <= set(returned)
+
+
+def test_proxyjump_from_ansible_ssh_common_args(fleet):
+    """``ansible_ssh_common_args: -F cfg -J jump``: the module reaches the host through the
+    jump host's own sshd, resolved by ``ssh -G`` and the ssh_config, as ssh would."""
+    jump, target = fleet(2)
+    workdir = target.root.parent
+    known = workdir / "known_hosts"
+    known.write_text(jump.sshd.known_hosts.read_text() + target.sshd.known_hosts.read_text())
+    config = workdir / "ssh_config"
+    config.write_text(f"Host jump\n  HostName 127.0.0.1\n  Port {jump.sshd.port}\n"
+                      f"  User {jump.inventory_vars()['ansible_user']}\n"
+                      f"  IdentityFile {jump.sshd.client_key}\n")
+    logins_before = jump.sshd.log.read_text().count("Accepted publickey")
+    host_vars = {**target.inventory_vars(), "ansible_ssh_common_args":
+                 f"-F {config} -J jump -o UserKnownHostsFile={known}"}
+    inventory = workdir / "inventory.json"
+    inventory.write_text(json.dumps({"sglang": {"hosts": {target.name: host_vars}}}))
+
+    run = ansible_playbook(workdir, inventory, "dynspec.patch.roll", "--check",
+                           "-e", "dynspec_threshold=8")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert recap(run.stdout)[target.name]["changed"] == 1
+    assert jump.sshd.log.read_text().count("Accepted publickey") == logins_before + 1
