@@ -78,6 +78,16 @@ ServerPort = Annotated[int | None, typer.Option("--port", help="(--host) The ser
 HealthTimeout = Annotated[
     float, typer.Option(help="(--host) Seconds to wait for the restarted server's health.")
 ]
+RouterUrl = Annotated[
+    str | None,
+    typer.Option("--router", help="(--host) sglang-router URL, as this machine reaches it: the "
+                 "server leaves it while it restarts (drained first) and comes back healthy."),
+]
+RouterWorkerUrl = Annotated[
+    str | None,
+    typer.Option(help="(--router) The server's URL as the router lists it "
+                 "(default: http://HOST:PORT)."),
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
 
@@ -274,9 +284,13 @@ def apply(
         str | None,
         typer.Option(help="(--host, server in a container) docker commit it as this image."),
     ] = None,
+    router: RouterUrl = None,
+    router_worker_url: RouterWorkerUrl = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
+    if host is None and (router or router_worker_url):
+        raise UsageError("--router works with --host only (a local tree has no server)")
     if host is not None:
         result = _remote().apply(
             _host_options(
@@ -291,6 +305,7 @@ def apply(
             port=port,
             health_timeout=health_timeout,
             commit_image=commit_image,
+            rotation=_rotation(host, router, router_worker_url),
         )
         _render_remote(result, as_json, dry_run)
         return
@@ -331,9 +346,13 @@ def revert(
     pid: ServerPid = None,
     port: ServerPort = None,
     health_timeout: HealthTimeout = 1200.0,
+    router: RouterUrl = None,
+    router_worker_url: RouterWorkerUrl = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Put every patched file back to its original bytes."""
+    if host is None and (router or router_worker_url):
+        raise UsageError("--router works with --host only (a local tree has no server)")
     if host is not None:
         result = _remote().revert(
             _host_options(
@@ -346,6 +365,7 @@ def revert(
             pid=pid,
             port=port,
             health_timeout=health_timeout,
+            rotation=_rotation(host, router, router_worker_url),
         )
         _render_remote(result, as_json, dry_run)
         return
@@ -504,6 +524,19 @@ def _host_options(
         accept_new_host_key=accept_new_host_key,
         connect_timeout=connect_timeout,
     )
+
+
+def _rotation(host: str, router: str | None, worker_url: str | None) -> Any:
+    """``--router``: take the server out of that sglang-router around its restart."""
+    if router is None:
+        if worker_url is not None:
+            raise UsageError("--router-worker-url needs --router URL")
+        return None
+    from patcher.router import Rotation, RouterClient
+
+    if not router.startswith(("http://", "https://")):
+        raise UsageError(f"--router must be an http(s) URL, got {router!r}")
+    return Rotation(RouterClient(router), worker_url=worker_url)
 
 
 def _render_remote(result: dict[str, Any], as_json: bool, dry_run: bool = False) -> None:

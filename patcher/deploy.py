@@ -25,14 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from patcher import container
+from patcher import container, plan_cache
 from patcher.container import DockerOptions
 from patcher.engine import (
     THRESHOLD_FLAG,
     FileChange,
     Plan,
     next_manifest,
-    plan_apply,
     plan_revert,
     plan_status,
 )
@@ -46,6 +45,9 @@ PENDING_NAME = "restart-pending.json"
 FIELD = "speculative_disable_batch_threshold"
 ADAPTIVE_BARE = "--speculative-adaptive"
 ADAPTIVE_CONFIG = "--speculative-adaptive-config"
+
+
+BeforeRestart = Callable[["Session", ServerProcess], None]
 
 
 @dataclass(frozen=True)
@@ -359,13 +361,10 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
             "verified_through_ssh_tunnel": verified}
 
 
-def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | None,
-                       argv: list[str] | None, expect: Mapping[str, Any], *, changed: bool,
-                       stale: str, not_needed: str, no_restart: bool, restart_cmd: str | None,
-                       health_timeout: float, base_dir: str | None,
-                       stop_timeout: float) -> dict[str, Any] | str:
-    """Restart when files changed, a restart was pending, or the server does not prove
-    ``expect`` (``stale``); with ``--no-restart`` (or no server) leave a pending mark."""
+def restart_reasons(facts: HostFacts, server: ServerProcess | None, argv: list[str] | None,
+                    expect: Mapping[str, Any], *, changed: bool, stale: str,
+                    restart_cmd: str | None) -> list[str]:
+    """Why the server must restart (empty: it need not)."""
     reasons = []
     if changed:
         reasons.append("files changed")
@@ -375,6 +374,32 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
         reasons.append(stale)
     if server is not None and argv != list(server.argv) and not restart_cmd:
         reasons.append("the launch flags change")
+    return reasons
+
+
+def _restart_preview(facts: HostFacts, server: ServerProcess | None, argv: list[str] | None,
+                     expect: Mapping[str, Any], *, changed: bool, stale: str,
+                     no_restart: bool, restart_cmd: str | None) -> str:
+    """What a real run would do about the restart (for a dry run)."""
+    reasons = restart_reasons(facts, server, argv, expect, changed=changed, stale=stale,
+                              restart_cmd=restart_cmd)
+    if not reasons:
+        return "not needed"
+    if no_restart or server is None:
+        return "would leave a restart pending: " + "; ".join(reasons)
+    return "would restart: " + "; ".join(reasons)
+
+
+def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | None,
+                       argv: list[str] | None, expect: Mapping[str, Any], *, changed: bool,
+                       stale: str, not_needed: str, no_restart: bool, restart_cmd: str | None,
+                       health_timeout: float, base_dir: str | None, stop_timeout: float,
+                       before_restart: BeforeRestart | None = None) -> dict[str, Any] | str:
+    """Restart when files changed, a restart was pending, or the server does not prove
+    ``expect`` (``stale``); with ``--no-restart`` (or no server) leave a pending mark.
+    ``before_restart`` runs just before the server is stopped (e.g. take it out of a router)."""
+    reasons = restart_reasons(facts, server, argv, expect, changed=changed, stale=stale,
+                              restart_cmd=restart_cmd)
     if not reasons:
         return "not needed: " + not_needed
     if no_restart or server is None:
@@ -384,6 +409,8 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
                                                "; ".join(reasons), argv)).encode())})
         return "pending (--no-restart): " + "; ".join(reasons)
     assert argv is not None
+    if before_restart is not None:
+        before_restart(s, server)
     done = _restart(s, facts, server, argv, restart_cmd=restart_cmd,
                     health_timeout=health_timeout, expect=expect, base_dir=base_dir,
                     stop_timeout=stop_timeout)
@@ -406,7 +433,8 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
 def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0,
-          commit_image: str | None = None) -> dict[str, Any]:
+          commit_image: str | None = None,
+          before_restart: BeforeRestart | None = None) -> dict[str, Any]:
     if commit_image is not None:
         container.check_tag(commit_image)
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
@@ -415,7 +443,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
     eff = facts.effective.values if facts.effective else {}
     live = facts.live.worker if facts.live.worker in ("v1", "v2") else None
     bs = eff.get("cuda_graph_bs")
-    plan = plan_apply(
+    plan = plan_cache.plan_apply(  # a fleet of one release is planned once per controller
         facts.snapshot, worker=worker, live_worker=live, threshold=threshold,
         num_steps=eff.get("speculative_num_steps"),
         cuda_graph_bs=bs if isinstance(bs, list) else None,
@@ -435,11 +463,17 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
             plan = Plan(plan.operation, plan.sglang_version, plan.route, plan.reason,
                         (*plan.files, native_change), plan.native, plan.server_flags)
     result["plan"] = plan
-    if plan.refused or dry_run:
-        if server is not None:
-            result["would_run"] = redact_argv(desired_argv(server.argv, plan))
-        return result
     wanted = argv = desired_argv(server.argv, plan) if server else None
+    expect = expectations(plan, threshold, config_path)
+    stale = "the running server does not report " + json.dumps(expect)
+    if plan.refused or dry_run:
+        if argv is not None:
+            result["would_run"] = redact_argv(argv)
+        if not plan.refused:
+            result["restart"] = _restart_preview(
+                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
+                no_restart=no_restart, restart_cmd=restart_cmd)
+        return result
     if server is not None and server.container is not None and argv is not None:
         argv = container.restart_argv(server.container, server.argv, argv,
                                       restart_cmd=restart_cmd, no_restart=no_restart,
@@ -457,16 +491,15 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
                           keep_manifest=False, action="apply", argv=argv)
         changed = True
     result["files_changed"] = [c.path for c in plan.changes]
-    expect = expectations(plan, threshold, config_path)
     if argv != wanted:  # a container keeps its command: prove the patched code, not the flags
         expect = {} if plan.route == "native" else expectations(plan, None, config_path)
+        stale = "the running server does not report " + json.dumps(expect)
     result["restart"] = _restart_if_needed(
-        s, facts, server, argv, expect, changed=changed,
-        stale="the running server does not report " + json.dumps(expect),
+        s, facts, server, argv, expect, changed=changed, stale=stale,
         not_needed="files already patched and the server reports " + json.dumps(expect),
         no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
         base_dir=facts.state_dir if plan.route == "native" else package,
-        stop_timeout=stop_timeout)
+        stop_timeout=stop_timeout, before_restart=before_restart)
     if commit_image is not None and server is not None and wanted is not None:
         result["image"] = _commit_image(s, server, commit_image, wanted)
     return result
@@ -486,7 +519,8 @@ def _commit_image(s: Session, server: ServerProcess, tag: str,
 
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
-           health_timeout: float, stop_timeout: float = 60.0) -> dict[str, Any]:
+           health_timeout: float, stop_timeout: float = 60.0,
+           before_restart: BeforeRestart | None = None) -> dict[str, Any]:
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
     route = plan_status(facts.snapshot).route
     if route == "native":
@@ -516,9 +550,14 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                                       restart_cmd=restart_cmd, no_restart=no_restart,
                                       commit_image=None)
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
+    stale = "the running server still runs the patch"
     if plan.refused or dry_run:
         if argv is not None:
             result["would_run"] = redact_argv(argv)
+        if not plan.refused:
+            result["restart"] = _restart_preview(
+                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
+                no_restart=no_restart, restart_cmd=restart_cmd)
         return result
     precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = bool(plan.changes)
@@ -529,11 +568,11 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                           keep_manifest=route == "native", action="revert", argv=argv)
     result["files_changed"] = [c.path for c in plan.changes]
     result["restart"] = _restart_if_needed(
-        s, facts, server, argv, expect, changed=changed,
-        stale="the running server still runs the patch", not_needed="nothing was patched",
+        s, facts, server, argv, expect, changed=changed, stale=stale,
+        not_needed="nothing was patched",
         no_restart=no_restart, restart_cmd=restart_cmd, health_timeout=health_timeout,
         base_dir=facts.state_dir if route == "native" else package,
-        stop_timeout=stop_timeout)
+        stop_timeout=stop_timeout, before_restart=before_restart)
     return result
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from patcher import deploy
 from patcher.container import DockerOptions
 from patcher.deploy import Faults
+from patcher.router import Rotation, rolling
 from patcher.ssh import resolve_target
 
 
@@ -62,23 +63,26 @@ def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: boo
           no_restart: bool, restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
           on_progress: Callable[[str], None] | None = None,
-          commit_image: str | None = None) -> dict[str, Any]:
-    """Patch the host's sglang (or write the native config), then restart and prove it; for a
-    server in a container, optionally ``docker commit`` it as ``commit_image``."""
-    return _run(opts, deploy.apply, faults, on_progress, threshold=threshold, worker=worker,
-                dry_run=dry_run, no_restart=no_restart, restart_cmd=restart_cmd, pid=pid,
-                port=port, health_timeout=health_timeout, stop_timeout=stop_timeout,
-                commit_image=commit_image)
+          commit_image: str | None = None,
+          rotation: Rotation | None = None) -> dict[str, Any]:
+    """Patch the host's sglang (or write the native config), then restart and prove it;
+    with ``rotation`` the server is out of its sglang-router while it restarts; for a server
+    in a container, optionally ``docker commit`` it as ``commit_image``."""
+    return _run(opts, rolling, faults, on_progress, operation=deploy.apply, rotation=rotation,
+                threshold=threshold, worker=worker, dry_run=dry_run, no_restart=no_restart,
+                restart_cmd=restart_cmd, pid=pid, port=port, health_timeout=health_timeout,
+                stop_timeout=stop_timeout, commit_image=commit_image)
 
 
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
            health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
-           on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+           on_progress: Callable[[str], None] | None = None,
+           rotation: Rotation | None = None) -> dict[str, Any]:
     """Restore the original bytes (refused if a file changed since apply, unless force)."""
-    return _run(opts, deploy.revert, faults, on_progress, dry_run=dry_run, force=force,
-                no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
-                health_timeout=health_timeout, stop_timeout=stop_timeout)
+    return _run(opts, rolling, faults, on_progress, operation=deploy.revert, rotation=rotation,
+                dry_run=dry_run, force=force, no_restart=no_restart, restart_cmd=restart_cmd,
+                pid=pid, port=port, health_timeout=health_timeout, stop_timeout=stop_timeout)
 
 
 def status(opts: HostOptions) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 #
 # Needs Python >= 3.11, and for the SSH tier openssh-server + sudo installed and root
 # (the tests start their own sshd on 127.0.0.1 and create their own test accounts).
+# The fleet tests run the real ansible-playbook and sglang-router (both from the test extras)
+# and OpenSSH's ssh client (ssh -G).
 # Creates ./.venv, fetches every pinned SGLang wheel into the cache (sha256-checked) while
 # proving each codemod on it (check-pins), builds the slow tier's import virtualenvs, then
 # runs pytest offline: the tests themselves talk only to 127.0.0.0/8.

@@ -235,3 +235,47 @@ def container_host(sshd: Sshd, docker_engine, sglang_image: str) -> Iterator[Con
     made = ContainerHost(sshd, docker_engine, sglang_image)
     yield made
     made.remove()
+
+
+# --------------------------------------------------------------------------- fleets
+
+
+class Fleet:
+    """Builds fleets of hosts (own sshd each) and sglang-routers; stops them all at teardown."""
+
+    def __init__(self, base: Path, pristine_venvs) -> None:
+        self.base = base
+        self.pristine_venvs = pristine_venvs
+        self.hosts: list = []
+        self.routers: list = []
+
+    def __call__(self, count: int, env: dict[int, dict[str, str]] | None = None,
+                 release: str = "0.5.10.post1") -> list:
+        import fleet_harness
+
+        base = self.base / f"fleet{next(_counter)}"
+        hosts, _ = fleet_harness.make_fleet(base, self.pristine_venvs(release), count, env)
+        self.hosts += hosts
+        return hosts
+
+    def router(self, hosts: list):
+        import fleet_harness
+
+        router = fleet_harness.Router.start(hosts[0].root.parent,
+                                            [h.worker_url for h in hosts])
+        self.routers.append(router)
+        return router
+
+    def close(self) -> None:
+        for router in self.routers:
+            router.stop()
+        for host in self.hosts:
+            host.stop()
+
+
+@pytest.fixture
+def fleet(sshd: Sshd, remote_base: Path, pristine_venvs) -> Iterator[Fleet]:
+    """``fleet(n)``: n hosts, each its own sshd + venv + fake server; ``fleet.router(hosts)``."""
+    made = Fleet(remote_base / "fleets", pristine_venvs)
+    yield made
+    made.close()

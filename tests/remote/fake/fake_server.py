@@ -9,8 +9,11 @@ discovery finds the real package dir and the real version. The server:
   ``srt/server_args.py`` really carries the field, i.e. the package is patched;
 - computes the effective ``disable_overlap_schedule`` with the release's own rule (Addendum
   table), so it can differ from the command line, and reports it;
-- serves ``/get_server_info`` (all releases) and ``/server_info`` (0.5.6+), ``/health``,
-  ``/health_generate``, ``/generate``; logs the ``server_args=`` line at start.
+- serves ``/get_server_info`` (all releases) and ``/server_info`` (0.5.6+), ``/get_model_info``
+  / ``/model_info`` (the same eras; sglang-router reads them), ``/health``,
+  ``/health_generate``, ``/generate`` (``FAKE_SGLANG_GENERATE_SECONDS`` each), and the
+  requests in flight at ``/get_load`` (0.4.10+) and ``/v1/loads`` (0.5.10+); logs the
+  ``server_args=`` line at start.
 
 Faults (environment): FAKE_SGLANG_FAIL_START, FAKE_SGLANG_FAIL_IF_PATCHED,
 FAKE_SGLANG_UNHEALTHY_IF_PATCHED, FAKE_SGLANG_STARTUP_DELAY (s), FAKE_SGLANG_IGNORE_TERM,
@@ -25,6 +28,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -184,6 +188,16 @@ def main() -> None:
     endpoints = ["/get_server_info"] + (["/server_info"] if v >= (0, 5, 6, 0) else [])
     if ENV.get("FAKE_SGLANG_NO_INFO"):
         endpoints = []
+    model_info = {"model_path": server_args.get("model_path"), "is_generation": True}
+    model_endpoints = ["/model_info"] if v >= (0, 5, 6, 0) else ["/get_model_info"]
+    generate_seconds = float(ENV.get("FAKE_SGLANG_GENERATE_SECONDS", "0"))
+    in_flight = [0]
+    lock = threading.Lock()
+
+    def loads() -> dict:
+        n = in_flight[0]
+        return {"num_reqs": n, "num_running_reqs": n, "num_waiting_reqs": 0,
+                "num_total_reqs": n, "dp_rank": 0}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
@@ -204,6 +218,12 @@ def main() -> None:
                 self._send(200, str(os.getpid()).encode(), "text/plain")
             elif self.path in endpoints:
                 self._send(200, json.dumps(info).encode())
+            elif self.path in model_endpoints:
+                self._send(200, json.dumps(model_info).encode())
+            elif self.path == "/get_load" and v >= (0, 4, 10, 0):
+                self._send(200, json.dumps([loads()]).encode())
+            elif self.path == "/v1/loads" and v >= (0, 5, 10, 0):
+                self._send(200, json.dumps({"loads": [loads()]}).encode())
             else:
                 self._send(404, b'{"detail":"Not Found"}')
 
@@ -211,7 +231,16 @@ def main() -> None:
             length = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(length)
             if self.path == "/generate":
-                self._send(200, b'{"text": " pong"}')
+                with lock:
+                    in_flight[0] += 1
+                try:
+                    time.sleep(generate_seconds)
+                    self._send(200, json.dumps({"text": " pong", "meta_info": {
+                        "id": self.headers.get("x-request-id"), "fake_pid": os.getpid()}})
+                        .encode())
+                finally:
+                    with lock:
+                        in_flight[0] -= 1
             else:
                 self._send(404)
 
