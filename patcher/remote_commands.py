@@ -67,11 +67,14 @@ def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: boo
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
            health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
-           on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Restore the original bytes (refused if a file changed since apply, unless force)."""
+           on_progress: Callable[[str], None] | None = None,
+           restore_originals: bool = False) -> dict[str, Any]:
+    """Restore the original bytes (refused if a file changed since apply, unless force;
+    ``restore_originals`` puts the copies saved at apply back where a plain revert can't)."""
     return _run(opts, deploy.revert, faults, on_progress, dry_run=dry_run, force=force,
                 no_restart=no_restart, restart_cmd=restart_cmd, pid=pid, port=port,
-                health_timeout=health_timeout, stop_timeout=stop_timeout)
+                health_timeout=health_timeout, stop_timeout=stop_timeout,
+                restore_originals=restore_originals)
 
 
 def status(opts: HostOptions) -> dict[str, Any]:
