@@ -251,14 +251,14 @@ def _apply_one(
     before = analyses.snapshot.get(path)
     analysis = analyses.of(codemod)
     state = analysis.state
+    if isinstance(state, Patched) and newer_than_me(state.version):
+        return FileChange.kept(path, before, "patched", "refused", _newer_refusal(state.version))
     if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
         state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
         analysis.refusal = state.reason
     label = _state_label(state)
     if analysis.refusal is not None:
         return FileChange.kept(path, before, label, "refused", analysis.refusal)
-    if isinstance(state, Patched) and newer_than_me(state.version):
-        return FileChange.kept(path, before, label, "refused", _newer_refusal(state.version))
     after = _encode(codemod.apply(analysis))  # type: ignore[attr-defined]
     if after == before:
         return FileChange(path, before, after, label, label, "unchanged", state.describe())

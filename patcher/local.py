@@ -327,7 +327,8 @@ def write_plan(package: Path, plan: Plan) -> None:
             if change.after is None:
                 target.unlink(missing_ok=True)
             else:
-                os.replace(staged.pop(change.path), target)
+                os.replace(staged[change.path], target)
+                del staged[change.path]
             remote_agent.fsync_dir(str(target.parent))
             if index == 0 and len(plan.changes) > 1 and os.environ.get(FAULT_ENV) == (
                 "die-mid-commit"
