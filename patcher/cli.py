@@ -263,7 +263,8 @@ def _readable(key: str, value: object) -> str:
 
 
 # Remote reports carry these for --json; a person does not need them in the table.
-HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence")
+# "recommended" is printed on its own unwrapped line, so that it can be pasted.
+HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", "recommended")
 
 
 def _details_table(details: Mapping[str, Any]) -> Table:
@@ -275,6 +276,12 @@ def _details_table(details: Mapping[str, Any]) -> Table:
             continue
         table.add_row(key.replace("_", " "), Text(_readable(key, value)))
     return table
+
+
+def _print_details(details: Mapping[str, Any]) -> None:
+    out.print(_details_table(details))
+    if details.get("recommended"):
+        out.print(Text(f"recommended: {details['recommended']}", style="bold"), soft_wrap=True)
 
 
 def _summary(plan: Plan) -> None:
@@ -311,7 +318,7 @@ def _finish(
             out.print(_diff(plan), soft_wrap=True)
         _summary(plan)
         if extra:
-            out.print(_details_table(extra))
+            _print_details(extra)
     if plan.refused:
         raise RefusedError(plan.refusal_reason, reported=as_json)
 
@@ -766,7 +773,7 @@ def _render_remote(
         if as_json:
             _print_json(result)
         else:
-            out.print(_details_table(result))
+            _print_details(result)
         return
     _finish(plan, as_json, dry_run, result)
 

@@ -399,7 +399,8 @@ def _plain_revert(
 ) -> FileChange:
     state = analysis.state  # type: ignore[attr-defined]
     if isinstance(state, Unknown):
-        return FileChange.kept(path, before, label, "refused", state.reason)
+        hint = "; --restore-originals puts back the original saved at apply" if record else ""
+        return FileChange.kept(path, before, label, "refused", state.reason + hint)
     if isinstance(state, Unpatched):
         return FileChange.kept(path, before, label, "unchanged", "not patched")
     if not force and record is not None and sha256_or_none(before) != record.sha256_after:
