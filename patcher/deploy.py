@@ -305,6 +305,12 @@ def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequ
     s.step("committed")
 
 
+def _short(text: object, limit: int = 160) -> str:
+    """The first line of a failure, cut at ``limit``: the whole log stays in a file."""
+    line = str(text).split(" | ")[0].splitlines()[0] if text else "no reason given"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence[str], *,
              restart_cmd: str | None, health_timeout: float, expect: Mapping[str, Any],
              base_dir: str, stop_timeout: float) -> dict[str, Any]:
@@ -325,8 +331,8 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
                 f" and the original command relaunched: "
                 + (f"healthy again, pid {answer.get('pid')}" if healthy
                    else "NOT healthy: " + str(answer.get("rollback_error"))))
-        raise RollbackError(f"restart failed: {answer.get('reason')}; {tail}; "
-                            f"log {answer.get('log')}")
+        raise RollbackError(f"restart failed: {_short(answer.get('reason'))}; {tail}; "
+                            f"the server's output is in {answer.get('log')} on the host")
     verified = None
     try:
         path = (answer.get("proof") or {}).get("endpoint") or "/server_info"
