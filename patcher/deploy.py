@@ -247,7 +247,8 @@ def status(s: Session) -> dict[str, Any]:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors)}
     plan = plan_status(facts.snapshot)
-    state = host_state(facts, plan)
+    judged = tree_state(plan, facts.manifest, facts.snapshot)
+    state = judged.state
     info = facts.selected.info if facts.selected else None
     running = None
     if info is not None:
@@ -257,6 +258,7 @@ def status(s: Session) -> dict[str, Any]:
     return {
         **describe(facts, s.conn),
         "host_state": state,
+        "problems": list(judged.problems),
         "server_runs": running,
         "manifest": None if manifest is None else {
             "tool_version": manifest.tool_version, "created": manifest.created,

@@ -67,6 +67,7 @@ def test_host_status_flags_hooks_without_their_runtime_and_reads_as_a_table(
     capsys.readouterr()
     code, out, _ = run_json(capsys, ["status", "--host", box])
     assert code == 0 and out["host_state"] == "mixed"
+    assert any("dynspec_fallback.py, which is missing" in p for p in out["problems"])
     assert cli.run(["status", "--host", box]) == 0
     shown = capsys.readouterr().out
     assert "host state" in shown and " UTC" in shown
