@@ -74,8 +74,13 @@ def rewrite_pyproject(text: str) -> str:
     text = re.sub(r'(?m)^(dynspec-patch = ")(?:dynspec_patch\.)?patcher\.cli:main"',
                   rf'\g<1>{TOP}.patcher.cli:main"', text)
     # the [tool.setuptools] table and its sub-tables, up to the next unrelated table
-    block = re.compile(r"(?ms)^\[tool\.setuptools(?:\.[\w-]+)?\]\n.*?(?=^\[(?!tool\.setuptools)|\Z)")
-    return block.sub(_once(SETUPTOOLS), text)
+    block = re.compile(
+        r"(?ms)^\[tool\.setuptools(?:\.[\w-]+)?\]\n.*?(?=^\[(?!tool\.setuptools)|\Z)"
+    )
+    text = block.sub(_once(SETUPTOOLS), text)
+    if "[tool.ruff.lint.isort]" not in text:  # no directory of that name: tell ruff it is ours
+        text = text.rstrip("\n") + f'\n\n[tool.ruff.lint.isort]\nknown-first-party = ["{TOP}"]\n'
+    return text
 
 
 def _once(replacement: str):
