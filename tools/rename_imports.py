@@ -4,8 +4,9 @@
 ``dynspec_patch.patcher``, ``dynspec_patch.transforms`` and ``dynspec_patch.fixtures``
 (``[tool.setuptools.package-dir]``), and every reference in the repository is rewritten to
 the new names: ``from patcher... import``, dotted module names in strings (``"patcher.cli"``,
-``-m patcher.cli``), ``importlib.resources.files("fixtures")``, and ``patcher.x`` in
-docstrings' code spans.
+``-m patcher.cli``) and ``importlib.resources.files("fixtures")``; then ``ruff --fix`` sorts
+and wraps the rewritten import blocks. Prose that names a module relative to the package
+(``patcher.engine``) is left as it is.
 
 Idempotent: run it again after merging work that still uses the old names
 (``python tools/rename_imports.py``); it prints each file it changed and exits 1 if it finds
@@ -15,6 +16,7 @@ a bare ``import patcher`` it cannot rewrite safely.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +34,6 @@ REWRITES = (
     (re.compile(rf"""resources\.files\((["'])({OLD})\1\)"""), rf"resources.files(\1{TOP}.\2\1)"),
     # python -m patcher.cli
     (re.compile(rf"-m ({OLD})\."), rf"-m {TOP}.\1."),
-    # ``patcher.engine`` in docstrings and Markdown
-    (re.compile(rf"``({OLD})\."), rf"``{TOP}.\1."),
 )
 BARE_IMPORT = re.compile(rf"(?m)^\s*import ({OLD})\b")
 
@@ -96,6 +96,16 @@ def _once(replacement: str):
     return substitute
 
 
+def sort_imports(paths: list[Path]) -> None:
+    """Re-sort and re-wrap the import blocks the rewrite lengthened (ruff's isort rule)."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        print("ruff not found: run 'ruff check --fix --select I .' yourself", file=sys.stderr)
+        return
+    subprocess.run([ruff, "check", "--quiet", "--fix", "--select", "I", *map(str, paths)],
+                   cwd=REPO, check=False)
+
+
 def main() -> int:
     changed, problems = [], []
     for path in tracked_files():
@@ -115,6 +125,9 @@ def main() -> int:
     if new != text:
         pyproject.write_text(new)
         changed.append(pyproject)
+    python = [p for p in changed if p.suffix == ".py"]
+    if python:
+        sort_imports(python)
     for path in changed:
         print(f"rewrote {path.relative_to(REPO)}")
     for problem in problems:
