@@ -281,3 +281,11 @@ def test_fetch_downloads_from_pypi_when_pip_is_absent(tmp_path, monkeypatch, cap
         assert message.count("dynspec-patch:") == 1  # one error line after the progress line
     finally:
         server.shutdown()
+
+
+def test_check_pins_reports_progress_on_stderr_but_not_with_json(scratch):
+    package = scratch(find_pin("0.5.10.post1"))
+    shown = _cli("check-pins", "--sglang-root", str(package))
+    assert shown.returncode == 0 and f"[1/1] {package}" in shown.stderr
+    quiet = _cli("check-pins", "--sglang-root", str(package), "--json")
+    assert quiet.returncode == 0 and quiet.stderr == "" and json.loads(quiet.stdout)["rows"]

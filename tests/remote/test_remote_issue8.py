@@ -86,3 +86,11 @@ def test_a_failed_restart_is_one_short_line_naming_the_log_file(make_host, box, 
     assert err.count("\n") == 1 and len(err) < 600
     log = err.split("the server's output is in ")[1].split(" on the host")[0]
     assert log.startswith(str(host.state)) and (host.state / log.rsplit("/", 1)[1]).exists()
+
+
+def test_a_restart_reports_its_progress_on_stderr(make_host, box, capsys):
+    host = make_host("0.5.10.post1")
+    host.server(*SPEC, "--speculative-eagle-topk", "1")
+    assert cli.run(["apply", "--host", box, "--threshold", "16", "--health-timeout", "30"]) == 0
+    err = capsys.readouterr().err
+    assert "... stopped pid" in err and "waiting for health" in err and "health ok" in err
