@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -120,12 +120,17 @@ def _problem(plan: Plan, idempotent: bool, exact: bool) -> str:
     return "; ".join(parts)
 
 
-def check_pins(pins: Sequence[Pin]) -> list[CheckRow]:
+Progress = Callable[[str], None] | None
+
+
+def check_pins(pins: Sequence[Pin], on_progress: Progress = None) -> list[CheckRow]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="dynspec-check-") as scratch:
-        for pin in pins:
+        for index, pin in enumerate(pins, start=1):
+            if on_progress:
+                on_progress(f"[{index}/{len(pins)}] sglang {pin.version}")
             try:
-                package = copy_release(pin, Path(scratch))
+                package = copy_release(pin, Path(scratch), on_progress=on_progress)
             except DynspecError as exc:
                 rows.append(CheckRow(pin.version, "?", 0, "n/a", "n/a", 0.0, str(exc)))
                 continue
@@ -134,11 +139,13 @@ def check_pins(pins: Sequence[Pin]) -> list[CheckRow]:
     return rows
 
 
-def check_roots(roots: Sequence[Path]) -> list[CheckRow]:
+def check_roots(roots: Sequence[Path], on_progress: Progress = None) -> list[CheckRow]:
     """Check user-supplied trees (e.g. a fork), each in a scratch copy."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="dynspec-check-") as scratch:
         for index, root in enumerate(roots):
+            if on_progress:
+                on_progress(f"[{index + 1}/{len(roots)}] {root}")
             package = local.resolve_sglang_dir(root)
             copy = Path(scratch) / str(index) / "sglang"
             shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))

@@ -1,14 +1,21 @@
 """The ``dynspec-patch`` command line: a thin shell over ``patcher.engine`` and the file layers.
 
 Exit codes: 0 success (also when nothing had to change), 1 error, 2 usage error,
-3 refused (nothing written), 4 rolled back after a failure.
+3 refused (nothing written), 4 rolled back after a failure. An expected failure is one
+line on stderr (``--debug`` adds the traceback); with ``--json`` every exit prints one
+object on stdout, failures as ``{"error": ..., "exit_code": ...}``.
 """
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import json
+import os
+import shlex
 import sys
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,18 +25,46 @@ from rich.table import Table
 from rich.text import Text
 
 from patcher import checks, local
-from patcher.engine import Plan, plan_apply, plan_revert, plan_status
+from patcher.engine import (
+    Plan,
+    plan_apply,
+    plan_revert,
+    plan_status,
+    tree_state,
+    validate_options,
+)
 from patcher.errors import DynspecError, RefusedError, UsageError
 from patcher.releases import copy_release, find_pin, load_pins
 from transforms.markers import TOOL_VERSION
 from transforms.runtime_probe import probe_directory
 
+EXAMPLES = """Examples:
+
+\b
+  dynspec-patch detect-path --sglang-root /opt/venv/lib/python3.11/site-packages
+  dynspec-patch apply --sglang-root ./sglang --dry-run
+  dynspec-patch apply --host ubuntu@gpu-box-1 --threshold 8
+  dynspec-patch status --host gpu-box-1 --json
+  dynspec-patch revert --host gpu-box-1
+
+Exit codes: 0 ok, 1 error, 2 usage, 3 refused (nothing written), 4 rolled back.
+"""
+
+
+
+def _examples(*commands: str) -> str:
+    """A help epilog listing example commands, one per line (``\\b``: no rewrapping)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {command}" for command in commands)
+
+
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, pwsh)
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,  # never print locals (paths, keys) in a traceback
     rich_markup_mode=None,  # help texts contain brackets ([user@]host) that are not markup
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Add dynamic speculation disable (--speculative-disable-batch-threshold) to SGLang.",
+    epilog=EXAMPLES,
 )
 # Tables and diffs are read in CI logs too: never squeeze them below 120 columns.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
@@ -92,14 +127,85 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        out.print(Text(f"dynspec-patch {TOOL_VERSION}"))
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", "-v", help="Show a failure's traceback (anywhere on the line)."),
+    ] = False,
+) -> None:
+    """Add dynamic speculation disable (--speculative-disable-batch-threshold) to SGLang."""
+
+
+# Options that only mean something with --host; given without it they are a usage error.
+HOST_ONLY = (
+    "identity_file",
+    "known_hosts",
+    "ssh_config",
+    "accept_new_host_key",
+    "connect_timeout",
+    "no_restart",
+    "restart_cmd",
+    "pid",
+    "port",
+    "health_timeout",
+    "commit_image",
+    "router",
+    "router_worker_url",
+)
+LOCAL_ONLY = ("num_steps",)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _check_scope(ctx: typer.Context, host: str | None, sglang_root: Path | None) -> None:
+    """Reject what cannot apply: both targets, neither, or options of the other mode."""
+    if host is not None and sglang_root is not None:
+        raise UsageError("give --host or --sglang-root, not both")
+    for name in HOST_ONLY if host is None else LOCAL_ONLY:
+        if name in ctx.params and _given(ctx, name):
+            flag = "--" + name.replace("_", "-")
+            where = "--host" if host is None else "--sglang-root (a host's is read from its server)"
+            raise UsageError(f"{flag} applies only with {where}")
+    identity = ctx.params.get("identity_file")
+    if identity is not None and not os.access(identity, os.R_OK):
+        raise UsageError(f"--identity-file {identity}: not a readable file")
+    for name in ("connect_timeout", "health_timeout"):
+        value = ctx.params.get(name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
 def _package(sglang_root: Path | None) -> Path:
     if sglang_root is None:
         raise UsageError("give --sglang-root DIR (or --host H)")
     return local.resolve_sglang_dir(sglang_root)
 
 
-def _print_json(data: dict[str, Any]) -> None:
-    out.print_json(json.dumps(data), highlight=False)
+def _print_json(data: Mapping[str, Any]) -> None:
+    out.print_json(json.dumps(data, default=str), highlight=False)
+
+
+def _progress(as_json: bool) -> Any:
+    """Where long steps report: one dim line each on stderr (never with --json)."""
+    if as_json:
+        return None
+    return lambda message: err.print(Text(f"... {message}", style="dim"), soft_wrap=True)
 
 
 def _diff(plan: Plan) -> Text:
@@ -140,6 +246,57 @@ def _files_table(plan: Plan) -> Table:
     return table
 
 
+def _when(value: object) -> str:
+    """An epoch (manifest ``created``) as a readable UTC time."""
+    if isinstance(value, int | float):
+        moment = datetime.datetime.fromtimestamp(value, tz=datetime.UTC)
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return str(value)
+
+
+def _readable(key: str, value: object) -> str:
+    """One value of a report as a person reads it: no Python reprs, no epoch floats."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key in ("created", "since"):
+        return _when(value)
+    if isinstance(value, Mapping):
+        lines = []
+        for k, v in value.items():
+            shown = ", ".join(map(str, v)) if isinstance(v, list | tuple) else _readable(k, v)
+            lines.append(f"{k}: {shown or '-'}")
+        return "\n".join(lines) or "-"
+    if isinstance(value, list | tuple):
+        if not value:
+            return "-"
+        return "\n".join(_readable(key, item) for item in value)
+    return str(value)
+
+
+# Remote reports carry these for --json; a person does not need them in the table.
+# "recommended" is printed on its own unwrapped line, so that it can be pasted.
+HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", "recommended")
+
+
+def _details_table(details: Mapping[str, Any]) -> Table:
+    table = Table(show_header=False, show_edge=False, pad_edge=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in details.items():
+        if key in HIDDEN_IN_TABLE:
+            continue
+        table.add_row(key.replace("_", " "), Text(_readable(key, value)))
+    return table
+
+
+def _print_details(details: Mapping[str, Any]) -> None:
+    out.print(_details_table(details))
+    if details.get("recommended"):
+        out.print(Text(f"recommended: {details['recommended']}", style="bold"), soft_wrap=True)
+
+
 def _summary(plan: Plan) -> None:
     out.print(
         Text(
@@ -151,7 +308,7 @@ def _summary(plan: Plan) -> None:
     if plan.files:
         out.print(_files_table(plan))
     if plan.native:
-        out.print(Text("launch flags: " + " ".join(plan.native.flags), style="bold"))
+        out.print(Text("launch flags: " + shlex.join(plan.native.flags), style="bold"))
         out.print(Text(json.dumps(plan.native.config)))
         for note in plan.native.notes:
             out.print(Text(f"note: {note}"))
@@ -166,27 +323,17 @@ def _finish(
         data = plan.to_json() | (extra or {})
         if dry_run:
             data["diff"] = _diff(plan).plain
+        if plan.refused:
+            data |= {"error": plan.refusal_reason, "exit_code": RefusedError.exit_code}
         _print_json(data)
     else:
         if dry_run and plan.changes:
             out.print(_diff(plan), soft_wrap=True)
         _summary(plan)
-        for key, value in (extra or {}).items():
-            out.print(Text(f"{key}: {value}"))
+        if extra:
+            _print_details(extra)
     if plan.refused:
-        raise RefusedError(plan.refusal_reason)
-
-
-def _write_and_finish(
-    package: Path, plan: Plan, as_json: bool, dry_run: bool, extra: dict[str, Any] | None = None
-) -> None:
-    """Write a local plan (unless a dry run or refused), then report it."""
-    if not dry_run and not plan.refused:
-        local.write_plan(package, plan)
-        if plan.native:
-            local.write_native_config(package, plan.native.config)
-    report = {"sglang_dir": str(package), "dry_run": dry_run} | (extra or {})
-    _finish(plan, as_json, dry_run, report)
+        raise RefusedError(plan.refusal_reason, reported=as_json)
 
 
 def _remote() -> Any:
@@ -195,8 +342,27 @@ def _remote() -> Any:
     return remote_commands
 
 
-@app.command("detect-path")
+def _local_state(package: Path, plan: Plan) -> dict[str, Any]:
+    """The tree's one judgement (same as apply/revert use), the lock and any interrupted commit."""
+    judged = tree_state(plan, local.read_manifest(package), local.read_snapshot(package))
+    report: dict[str, Any] = {"tree_state": judged.state, "problems": list(judged.problems)}
+    holder = local.lock_holder(package)
+    if holder:
+        report["run_in_progress"] = holder
+    if local.interrupted(package) and not holder:
+        report["interrupted_commit"] = "yes: the next apply or revert finishes or undoes it"
+    return report
+
+
+@app.command(
+    "detect-path",
+    epilog=_examples(
+        "dynspec-patch detect-path --sglang-root ./venv/lib/python3.11/site-packages",
+        "dynspec-patch detect-path --host ubuntu@gpu-box-1 --json",
+    ),
+)
 def detect_path(
+    ctx: typer.Context,
     sglang_root: SglangRoot = None,
     host: Host = None,
     identity_file: IdentityFile = None,
@@ -209,22 +375,12 @@ def detect_path(
     as_json: JsonFlag = False,
 ) -> None:
     """Which release is installed, which worker runs, and the patch state of every file."""
+    _check_scope(ctx, host, sglang_root)
     if host is not None:
-        _render_remote(
-            _remote().detect_path(
-                _host_options(
-                    host,
-                    identity_file,
-                    known_hosts,
-                    ssh_config,
-                    accept_new_host_key,
-                    connect_timeout,
-                ),
-                pid=pid,
-                port=port,
-            ),
-            as_json,
+        options = _host_options(
+            host, identity_file, known_hosts, ssh_config, accept_new_host_key, connect_timeout
         )
+        _render_remote(_remote().detect_path(options, pid=pid, port=port), as_json, host=host)
         return
     package = _package(sglang_root)
     plan = plan_status(local.read_snapshot(package))
@@ -232,7 +388,8 @@ def detect_path(
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
         "runtime": _runtime_fit(package, plan) if plan.route == "patch" else "n/a",
-        "recommended": _recommendation(plan),
+        **_local_state(package, plan),
+        "recommended": _recommendation(plan, package),
     }
     _finish(plan, as_json, extra=extra)
 
@@ -246,20 +403,53 @@ def _runtime_fit(package: Path, plan: Plan) -> str:
     return f"the runtime would stay off here; missing: {', '.join(missing[:3])} (see probe)"
 
 
-def _recommendation(plan: Plan) -> str:
+def _recommendation(plan: Plan, package: Path) -> str:
+    """A command that can be pasted as it is (or why there is none)."""
+    root = f"--sglang-root {shlex.quote(str(package))}"
     if plan.route == "unsupported":
         return "none: this release cannot be patched"
     if plan.route == "native":
-        return "dynspec-patch apply --threshold N (writes the adaptive config; no source change)"
+        return f"dynspec-patch apply {root} --threshold 8  (8: the batch size to stop above)"
     if any(f.state_before == "unknown" for f in plan.files):
-        return "inspect the unknown files; dynspec-patch refuses to touch them"
+        return "none: inspect the unknown files; dynspec-patch refuses to touch them"
     if all(f.state_before == "patched" for f in plan.files):
-        return "already patched; launch with --speculative-disable-batch-threshold N"
-    return "dynspec-patch apply (choose --worker to match the live worker)"
+        return "none: already patched; launch with --speculative-disable-batch-threshold 8"
+    return f"dynspec-patch apply {root} --dry-run"
 
 
-@app.command()
+def _locked_write(
+    package: Path, make_plan: Any, as_json: bool, dry_run: bool, extra: dict[str, Any]
+) -> None:
+    """Plan and write under the tree's lock (a dry run reads without it), then report."""
+    report = {"sglang_dir": str(package), "dry_run": dry_run}
+    plan = make_plan()
+    interrupted = local.interrupted(package)
+    would_write = bool(plan.changes or plan.native) or local.state_dir(package).exists()
+    if dry_run or not (interrupted or (would_write and not plan.refused)):
+        # nothing to write (or refused): no lock, so not even the state directory is created
+        if interrupted:
+            report["interrupted_commit"] = "yes: the next apply or revert finishes or undoes it"
+        _finish(plan, as_json, dry_run, report | extra)
+        return
+    with local.locked(package) as tree:
+        plan = make_plan()
+        if not plan.refused:
+            local.write_plan(package, plan)
+            if plan.native:
+                local.write_native_config(package, plan.native.config)
+        housekeeping = {k: v for k, v in tree.report().items() if v}
+    _finish(plan, as_json, dry_run, report | housekeeping | extra)
+
+
+@app.command(
+    epilog=_examples(
+        "dynspec-patch apply --sglang-root ./sglang --dry-run",
+        "dynspec-patch apply --host ubuntu@gpu-box-1 --threshold 8",
+        "dynspec-patch apply --host gpu-box-1 --threshold 8 --no-restart",
+    )
+)
 def apply(
+    ctx: typer.Context,
     sglang_root: SglangRoot = None,
     host: Host = None,
     identity_file: IdentityFile = None,
@@ -268,11 +458,13 @@ def apply(
     accept_new_host_key: AcceptNewHostKey = False,
     connect_timeout: ConnectTimeout = 15.0,
     threshold: Annotated[
-        int | None, typer.Option(help="Batch size above which to stop speculating.")
+        int | None,
+        typer.Option(help="Batch size above which to stop speculating (1-65536)."),
     ] = None,
     worker: Annotated[str, typer.Option(help="auto | v1 | v2 | both")] = "auto",
     num_steps: Annotated[
-        int | None, typer.Option(help="--speculative-num-steps of the server (native route).")
+        int | None,
+        typer.Option(help="--speculative-num-steps of the server (native route, local only)."),
     ] = None,
     dry_run: DryRun = False,
     no_restart: NoRestart = False,
@@ -289,8 +481,8 @@ def apply(
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
-    if host is None and (router or router_worker_url):
-        raise UsageError("--router works with --host only (a local tree has no server)")
+    _check_scope(ctx, host, sglang_root)
+    validate_options(threshold=threshold, num_steps=num_steps, worker=worker)
     if host is not None:
         result = _remote().apply(
             _host_options(
@@ -306,30 +498,40 @@ def apply(
             health_timeout=health_timeout,
             commit_image=commit_image,
             rotation=_rotation(host, router, router_worker_url),
+            on_progress=_progress(as_json),
         )
-        _render_remote(result, as_json, dry_run)
+        _render_remote(result, as_json, dry_run, host=host)
         return
-    if commit_image is not None:
-        raise UsageError("--commit-image works with --host (a server in a Docker container)")
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
-    plan = plan_apply(
-        local.read_snapshot(package),
-        worker=worker,
-        threshold=threshold,
-        num_steps=num_steps,
-        native_config_path=config_path,
-        recorded=local.recorded_files(package),
-    )
+
+    def make_plan() -> Plan:
+        return plan_apply(
+            local.read_snapshot(package),
+            worker=worker,
+            threshold=threshold,
+            num_steps=num_steps,
+            native_config_path=config_path,
+            recorded=local.recorded_files(package),
+        )
+
     extra: dict[str, Any] = {}
-    if plan.route == "patch" and not plan.refused:
+    preview = plan_status(local.read_snapshot(package))
+    if preview.route == "patch":
         # The patch is harmless where the runtime lacks a name (it stays off), but useless.
-        extra["runtime"] = _runtime_fit(package, plan)
-    _write_and_finish(package, plan, as_json, dry_run, extra)
+        extra["runtime"] = _runtime_fit(package, preview)
+    _locked_write(package, make_plan, as_json, dry_run, extra)
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "dynspec-patch revert --sglang-root ./sglang --dry-run",
+        "dynspec-patch revert --host gpu-box-1",
+        "dynspec-patch revert --host gpu-box-1 --restore-originals",
+    )
+)
 def revert(
+    ctx: typer.Context,
     sglang_root: SglangRoot = None,
     host: Host = None,
     identity_file: IdentityFile = None,
@@ -341,6 +543,13 @@ def revert(
     force: Annotated[
         bool, typer.Option("--force", help="Revert even if a file changed since apply.")
     ] = False,
+    restore_originals: Annotated[
+        bool,
+        typer.Option(
+            "--restore-originals",
+            help="Where a file was edited since apply, put back the original saved at apply.",
+        ),
+    ] = False,
     no_restart: NoRestart = False,
     restart_cmd: RestartCmd = None,
     pid: ServerPid = None,
@@ -350,9 +559,8 @@ def revert(
     router_worker_url: RouterWorkerUrl = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Put every patched file back to its original bytes."""
-    if host is None and (router or router_worker_url):
-        raise UsageError("--router works with --host only (a local tree has no server)")
+    """Put every patched file back to its original bytes (native route: drop the config)."""
+    _check_scope(ctx, host, sglang_root)
     if host is not None:
         result = _remote().revert(
             _host_options(
@@ -360,24 +568,56 @@ def revert(
             ),
             dry_run=dry_run,
             force=force,
+            restore_originals=restore_originals,
             no_restart=no_restart,
             restart_cmd=restart_cmd,
             pid=pid,
             port=port,
             health_timeout=health_timeout,
             rotation=_rotation(host, router, router_worker_url),
+            on_progress=_progress(as_json),
         )
-        _render_remote(result, as_json, dry_run)
+        _render_remote(result, as_json, dry_run, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_revert(
-        local.read_snapshot(package), recorded=local.recorded_files(package), force=force
+    if plan_status(local.read_snapshot(package)).route == "native":
+        _revert_native(package, as_json, dry_run)
+        return
+
+    def make_plan() -> Plan:
+        return plan_revert(
+            local.read_snapshot(package),
+            recorded=local.recorded_files(package),
+            force=force,
+            originals=local.read_originals(package) if restore_originals else None,
+        )
+
+    _locked_write(package, make_plan, as_json, dry_run, {})
+
+
+def _revert_native(package: Path, as_json: bool, dry_run: bool) -> None:
+    """Native route: no source changed; remove the config apply wrote, name the flags to drop."""
+    plan = plan_revert(local.read_snapshot(package))
+    config = local.native_config_path(package)
+    extra: dict[str, Any] = {"sglang_dir": str(package), "dry_run": dry_run}
+    if dry_run:
+        extra["would_remove"] = str(config) if config.exists() else None
+    else:
+        with local.locked(package):
+            extra["removed"] = str(local.remove_native_config(package) or "") or None
+    extra["relaunch_without"] = shlex.join(
+        ["--speculative-adaptive", "--speculative-adaptive-config", str(config)]
     )
-    _write_and_finish(package, plan, as_json, dry_run)
+    _finish(plan, as_json, dry_run, extra)
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "dynspec-patch status --sglang-root ./sglang", "dynspec-patch status --host gpu-box-1"
+    )
+)
 def status(
+    ctx: typer.Context,
     sglang_root: SglangRoot = None,
     host: Host = None,
     identity_file: IdentityFile = None,
@@ -387,40 +627,36 @@ def status(
     connect_timeout: ConnectTimeout = 15.0,
     as_json: JsonFlag = False,
 ) -> None:
-    """The patch state of every file, and what the manifest recorded."""
+    """The state of the tree (original, patched, mixed, unknown), per file and as recorded."""
+    _check_scope(ctx, host, sglang_root)
     if host is not None:
-        _render_remote(
-            _remote().status(
-                _host_options(
-                    host,
-                    identity_file,
-                    known_hosts,
-                    ssh_config,
-                    accept_new_host_key,
-                    connect_timeout,
-                )
-            ),
-            as_json,
+        options = _host_options(
+            host, identity_file, known_hosts, ssh_config, accept_new_host_key, connect_timeout
         )
+        _render_remote(_remote().status(options), as_json, host=host)
         return
     package = _package(sglang_root)
     plan = plan_status(local.read_snapshot(package))
     manifest = local.read_manifest(package)
     extra = {
         "sglang_dir": str(package),
+        **_local_state(package, plan),
         "manifest": None
         if manifest is None
         else {
             "tool_version": manifest.tool_version,
             "created": manifest.created,
             "user": manifest.user,
-            "files": len(manifest.files),
+            "files": [record.path for record in manifest.files],
         },
     }
     _finish(plan, as_json, extra=extra)
 
 
-@app.command("check-pins")
+@app.command(
+    "check-pins",
+    epilog=_examples("dynspec-patch check-pins", "dynspec-patch check-pins --sglang-root ./fork"),
+)
 def check_pins(
     pins: Annotated[Path | None, typer.Option(help="Pins file (default: the bundled one).")] = None,
     sglang_root: Annotated[
@@ -430,9 +666,13 @@ def check_pins(
     as_json: JsonFlag = False,
 ) -> None:
     """Apply, re-apply and revert every codemod on each pinned release, in scratch copies."""
-    rows = checks.check_roots(sglang_root) if sglang_root else checks.check_pins(load_pins(pins))
+    progress = _progress(as_json)
+    if sglang_root:
+        rows = checks.check_roots(sglang_root, on_progress=progress)
+    else:
+        rows = checks.check_pins(load_pins(pins), on_progress=progress)
     if as_json:
-        _print_json({"rows": [row.to_json() for row in rows]})
+        data: dict[str, Any] = {"rows": [row.to_json() for row in rows]}
     else:
         table = Table(title=f"dynspec-patch {TOOL_VERSION}: codemod dry-run per release")
         for column in (
@@ -459,11 +699,15 @@ def check_pins(
             )
         out.print(table)
     failed = [row.release for row in rows if not row.ok]
+    if as_json:
+        if failed:
+            data |= {"error": f"check-pins failed for {', '.join(failed)}", "exit_code": 1}
+        _print_json(data)
     if failed:
-        raise DynspecError(f"check-pins failed for {', '.join(failed)}")
+        raise DynspecError(f"check-pins failed for {', '.join(failed)}", reported=as_json)
 
 
-@app.command()
+@app.command(epilog=_examples("dynspec-patch probe --sglang-root ./sglang"))
 def probe(sglang_root: SglangRoot = None, as_json: JsonFlag = False) -> None:
     """List every name the runtime module needs in this tree, and whether it is there."""
     package = _package(sglang_root)
@@ -471,8 +715,13 @@ def probe(sglang_root: SglangRoot = None, as_json: JsonFlag = False) -> None:
     if status_plan.route != "patch":
         raise RefusedError(f"not a patchable release ({status_plan.route}): {status_plan.reason}")
     report = probe_directory(package, status_plan.patchable_workers)
+    missing = [c.name for c in report.checks if not c.found]
+    problem = f"{len(missing)} name(s) the runtime needs are missing: {missing[:5]}"
     if as_json:
-        _print_json({"sglang_version": status_plan.sglang_version} | report.to_json())
+        data = {"sglang_version": status_plan.sglang_version} | report.to_json()
+        if not report.ok:
+            data |= {"error": problem, "exit_code": 1}
+        _print_json(data)
     else:
         table = Table(title=f"sglang {status_plan.sglang_version}: {report.era}")
         for column in ("name", "file", "found", "detail"):
@@ -482,18 +731,21 @@ def probe(sglang_root: SglangRoot = None, as_json: JsonFlag = False) -> None:
             table.add_row(Text(check.name), Text(check.file), found, Text(check.detail))
         out.print(table)
     if not report.ok:
-        missing = [c.name for c in report.checks if not c.found]
-        raise DynspecError(f"{len(missing)} name(s) the runtime needs are missing: {missing[:5]}")
+        raise DynspecError(problem, reported=as_json)
 
 
-@app.command()
+@app.command(epilog=_examples("dynspec-patch fetch 0.5.10.post1 --dest /tmp/demo"))
 def fetch(
     version: Annotated[str, typer.Argument(help="A pinned SGLang version, e.g. 0.5.10.post1.")],
     dest: Annotated[Path, typer.Option(help="Copy the release under this directory.")],
+    as_json: JsonFlag = False,
 ) -> None:
     """Download a pinned release (sha256-checked), copy it into DEST, print its sglang dir."""
-    target = copy_release(find_pin(version), dest)
-    out.print(Text(str(target)), soft_wrap=True)
+    target = copy_release(find_pin(version), dest, on_progress=_progress(as_json))
+    if as_json:
+        _print_json({"version": version, "sglang_dir": str(target)})
+    else:
+        out.print(Text(str(target)), soft_wrap=True)
 
 
 def _host_options(
@@ -512,7 +764,8 @@ def _host_options(
         port = rest[1:] if rest.startswith(":") else None
     elif hostport.count(":") == 1:
         host, port = hostport.split(":")
-    if not host or (port is not None and not port.isdigit()):
+    bad_port = port is not None and not (port.isdigit() and 0 < int(port) < 65536)
+    if not host or bad_port or (user == "" and "@" in spec) or any(c.isspace() for c in spec):
         raise UsageError(f"--host must be [user@]host[:port], got {spec!r}")
     return _remote().HostOptions(
         host=host,
@@ -539,28 +792,67 @@ def _rotation(host: str, router: str | None, worker_url: str | None) -> Any:
     return Rotation(RouterClient(router), worker_url=worker_url)
 
 
-def _render_remote(result: dict[str, Any], as_json: bool, dry_run: bool = False) -> None:
+def _pasteable(text: object, host: str) -> object:
+    if isinstance(text, str):
+        return text.replace("--host H", f"--host {shlex.quote(host)}").replace(
+            "--threshold N", "--threshold 8"
+        )
+    return text
+
+
+def _render_remote(
+    result: dict[str, Any], as_json: bool, dry_run: bool = False, *, host: str
+) -> None:
+    if "recommended" in result:
+        result["recommended"] = _pasteable(result["recommended"], host)
     plan = result.pop("plan", None)
     if plan is None:
         if as_json:
             _print_json(result)
         else:
-            for key, value in result.items():
-                out.print(Text(f"{key}: {value}"))
+            _print_details(result)
         return
     _finish(plan, as_json, dry_run, result)
 
 
+def _command_error(exc: BaseException) -> tuple[str, int] | None:
+    """(one line, exit code) for a failure we expect and explain; None for a bug."""
+    usage_error = typer.BadParameter.__mro__[1]  # click's UsageError, wherever typer keeps it
+    if isinstance(exc, DynspecError):
+        return str(exc), exc.exit_code
+    if isinstance(exc, usage_error):
+        return exc.format_message(), 2  # type: ignore[attr-defined]
+    if isinstance(exc, typer.Abort | KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or exc}{where and ':' + where}", 1
+    return None
+
+
 def run(argv: list[str]) -> int:
     """Run the CLI on ``argv``; return the exit code instead of exiting."""
+    as_json = "--json" in argv
+    debug = "--debug" in argv or "-v" in argv or os.environ.get("DYNSPEC_DEBUG") == "1"
+    argv = [a for a in argv if a not in ("--debug", "-v")]  # accepted anywhere on the line
+    command = typer.main.get_command(app)
     try:
-        app(argv, prog_name="dynspec-patch")  # typer itself exits 2 on usage errors
-    except DynspecError as exc:
-        err.print(Text(f"dynspec-patch: {exc}"), soft_wrap=True)
-        return exc.exit_code
-    except SystemExit as exc:
+        code = command.main(args=argv, prog_name="dynspec-patch", standalone_mode=False)
+    except SystemExit as exc:  # a callback that exits (completion scripts)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
+    except BaseException as exc:
+        known = _command_error(exc)
+        if known is None:
+            message, code = f"internal error: {exc.__class__.__name__}: {exc}", 1
+        else:
+            message, code = known
+        if debug or known is None:
+            err.print(Text("".join(traceback.format_exception(exc)), style="dim"))
+        if as_json and not getattr(exc, "reported", False):
+            _print_json({"error": message, "exit_code": code})
+        err.print(Text(f"dynspec-patch: {message}"), soft_wrap=True)
+        return code
+    return code if isinstance(code, int) else 0
 
 
 def main() -> None:

@@ -28,12 +28,14 @@ from typing import Any
 from patcher import container, plan_cache
 from patcher.container import DockerOptions
 from patcher.engine import (
+    SNAPSHOT_PATHS,
     THRESHOLD_FLAG,
     FileChange,
     Plan,
     next_manifest,
     plan_revert,
     plan_status,
+    tree_state,
 )
 from patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
 from patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
@@ -42,6 +44,7 @@ from patcher.ssh import AgentSession, Connection, ConnectionLost, RemoteError, S
 from transforms.native_adaptive import CONFIG_FILE_NAME
 
 PENDING_NAME = "restart-pending.json"
+ORIGINALS_DIR = "originals"  # <state>/originals/<path>: the files as they were before apply
 FIELD = "speculative_disable_batch_threshold"
 ADAPTIVE_BARE = "--speculative-adaptive"
 ADAPTIVE_CONFIG = "--speculative-adaptive-config"
@@ -137,21 +140,8 @@ def proof_holds(info: Mapping[str, Any] | None, expect: Mapping[str, Any]) -> bo
 
 
 def host_state(facts: HostFacts, plan: Plan) -> str:
-    """original | patched | mixed | unknown — from the bytes, checked against the manifest."""
-    if facts.manifest is not None and facts.manifest.files:
-        current = {p: sha256_or_none(facts.snapshot.get(p)) for p in facts.manifest.by_path()}
-        records = facts.manifest.files
-        if all(current.get(r.path) == r.sha256_after for r in records):
-            return "patched"
-        if all(current.get(r.path) == r.sha256_before for r in records):
-            return "original"
-        return "mixed"
-    states = {f.state_before for f in plan.files}
-    if not states or states <= {"unpatched", "missing"}:
-        return "original"
-    if "unknown" in states:
-        return "unknown"
-    return "patched" if "unpatched" not in states else "mixed"
+    """original | patched | mixed | unknown — the same judgement as a local ``status``."""
+    return tree_state(plan, facts.manifest, facts.snapshot).state
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -264,7 +254,8 @@ def status(s: Session) -> dict[str, Any]:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors)}
     plan = plan_status(facts.snapshot)
-    state = host_state(facts, plan)
+    judged = tree_state(plan, facts.manifest, facts.snapshot)
+    state = judged.state
     info = facts.selected.info if facts.selected else None
     running = None
     if info is not None:
@@ -275,6 +266,7 @@ def status(s: Session) -> dict[str, Any]:
     return {
         **describe(facts, s.conn),
         "host_state": state,
+        "problems": list(judged.problems),
         "server_runs": running,
         "durability": container.durability(
             server.container, facts.package_dir,
@@ -327,6 +319,12 @@ def _stage_and_commit(s: Session, facts: HostFacts, base_dir: str, changes: Sequ
     s.step("committed")
 
 
+def _short(text: object, limit: int = 160) -> str:
+    """The first line of a failure, cut at ``limit``: the whole log stays in a file."""
+    line = str(text).split(" | ")[0].splitlines()[0] if text else "no reason given"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence[str], *,
              restart_cmd: str | None, health_timeout: float, expect: Mapping[str, Any],
              base_dir: str, stop_timeout: float) -> dict[str, Any]:
@@ -347,8 +345,8 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
                 f" and the original command relaunched: "
                 + (f"healthy again, pid {answer.get('pid')}" if healthy
                    else "NOT healthy: " + str(answer.get("rollback_error"))))
-        raise RollbackError(f"restart failed: {answer.get('reason')}; {tail}; "
-                            f"log {answer.get('log')}")
+        raise RollbackError(f"restart failed: {_short(answer.get('reason'))}; {tail}; "
+                            f"the server's output is in {answer.get('log')} on the host")
     verified = None
     try:
         path = (answer.get("proof") or {}).get("endpoint") or "/server_info"
@@ -419,9 +417,14 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
 
 
 def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
-               no_restart: bool) -> tuple[HostFacts, ServerProcess | None, str, str]:
-    """Facts (locked unless a dry run), the server to act on, the package and config path."""
-    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=[CONFIG_FILE_NAME],
+               no_restart: bool, originals: bool = False,
+               ) -> tuple[HostFacts, ServerProcess | None, str, str]:
+    """Facts (locked unless a dry run), the server to act on, the package and config path;
+    with ``originals`` the copies saved at apply come along (as ``originals/<path>``)."""
+    state_files = [CONFIG_FILE_NAME]
+    if originals:
+        state_files += [posixpath.join(ORIGINALS_DIR, path) for path in SNAPSHOT_PATHS]
+    facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=state_files,
                    docker=s.docker.to_args())
     s.step("facts")
     server = choose_server(facts, required=not (dry_run or no_restart))
@@ -449,10 +452,11 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         cuda_graph_bs=bs if isinstance(bs, list) else None,
         native_config_path=config_path,
         recorded=facts.manifest.by_path() if facts.manifest else {},
+        server_args=eff, server_argv=server.argv if server else (),
     )
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run}
     native_change: FileChange | None = None
-    if plan.route == "native" and plan.native is not None:
+    if plan.route == "native" and plan.native is not None and not plan.refused:
         new = (json.dumps(plan.native.config, indent=2) + "\n").encode()
         old = facts.state_files.get(CONFIG_FILE_NAME)
         if old != new:
@@ -520,8 +524,10 @@ def _commit_image(s: Session, server: ServerProcess, tag: str,
 def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
            health_timeout: float, stop_timeout: float = 60.0,
-           before_restart: BeforeRestart | None = None) -> dict[str, Any]:
-    facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
+           before_restart: BeforeRestart | None = None,
+           restore_originals: bool = False) -> dict[str, Any]:
+    facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart,
+                                                     originals=restore_originals)
     route = plan_status(facts.snapshot).route
     if route == "native":
         old = facts.state_files.get(CONFIG_FILE_NAME)
@@ -540,9 +546,12 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
         expect: dict[str, Any] = {"speculative_adaptive_config": None} if argv != (
             list(server.argv) if server else None) else {}
     else:
+        saved = {path: data for path in SNAPSHOT_PATHS
+                 if (data := facts.state_files.get(posixpath.join(ORIGINALS_DIR, path)))
+                 is not None}
         plan = plan_revert(facts.snapshot,
                            recorded=facts.manifest.by_path() if facts.manifest else {},
-                           force=force)
+                           force=force, originals=saved if restore_originals else None)
         argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
         expect = {FIELD: "<absent>"}
     if server is not None and server.container is not None and argv is not None:

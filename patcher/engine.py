@@ -19,8 +19,13 @@ from transforms import (
     HookEagleWorkerV2Command,
     InstallRuntimeModuleCommand,
 )
-from transforms.markers import Patched, Unknown, Unpatched
-from transforms.native_adaptive import CONFIG_FILE_NAME, NativeConfig, native_config
+from transforms.markers import TOOL_VERSION, Patched, Unknown, Unpatched
+from transforms.native_adaptive import (
+    CONFIG_FILE_NAME,
+    NativeConfig,
+    adaptive_unsupported_reason,
+    native_config,
+)
 
 VERSION_PATHS = ("version.py", "_version.py")
 KERNEL_PATHS = ("srt/speculative/eagle_info.py", "srt/speculative/eagle_utils.py")
@@ -35,6 +40,8 @@ SNAPSHOT_PATHS: tuple[str, ...] = (
 )
 WORKER_CHOICES = ("auto", "v1", "v2", "both")
 DEFAULT_NUM_STEPS = 3
+MAX_THRESHOLD = 65536  # far above any decode batch SGLang runs; larger is a typo
+MAX_NUM_STEPS = 64
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
 
 Snapshot = Mapping[str, bytes | None]
@@ -52,8 +59,16 @@ class FileChange:
     after: bytes | None
     state_before: str
     state_after: str
-    action: str  # patched|reverted|unchanged|added|removed|refused|skipped
+    action: str  # patched|reverted|restored|unchanged|added|removed|refused|skipped
     reason: str = ""
+    # apply over an older tool version's patch: the file as it was before any dynspec-patch
+    # (None: it did not exist), so the manifest and the saved original stay the true ones
+    original: bytes | None = None
+
+    @property
+    def first_bytes(self) -> bytes | None:
+        """What this file held before dynspec-patch ever touched it."""
+        return self.original if self.state_before == "patched" else self.before
 
     @classmethod
     def kept(
@@ -88,13 +103,20 @@ class Plan:
     native: NativeConfig | None = None
     server_flags: tuple[str, ...] = field(default=())
     patchable_workers: tuple[str, ...] = ()  # present, and accepted by their codemod
+    refusal: str | None = None  # refused as a whole (e.g. a server the native route can't serve)
 
     @property
     def refused(self) -> bool:
-        return self.route == "unsupported" or any(f.action == "refused" for f in self.files)
+        return (
+            self.refusal is not None
+            or self.route == "unsupported"
+            or any(f.action == "refused" for f in self.files)
+        )
 
     @property
     def refusal_reason(self) -> str:
+        if self.refusal is not None:
+            return self.refusal
         for change in self.files:
             if change.action == "refused":
                 return f"{change.path}: {change.reason}"
@@ -167,8 +189,6 @@ def _selected_workers(
     snapshot: Snapshot, worker: str, live_worker: str | None
 ) -> tuple[list[str], str]:
     present = [name for name, c in WORKER_CODEMODS.items() if snapshot.get(c.PATH) is not None]
-    if worker not in WORKER_CHOICES:
-        raise UsageError(f"--worker must be one of {', '.join(WORKER_CHOICES)}, got {worker!r}")
     if worker == "auto" and live_worker in WORKER_CODEMODS:
         return [live_worker], f"the running server uses {live_worker}"
     if worker in ("auto", "both"):
@@ -195,6 +215,22 @@ class _Analyses:
         return self.of(HookEagleWorkerV2Command()).facts  # type: ignore[attr-defined]
 
 
+def version_key(version: str) -> tuple[int, ...]:
+    """``0.1.0`` < ``0.1.10`` < ``0.2.0.post1``: the numbers of a version, in order."""
+    return tuple(int(part) for part in re.findall(r"\d+", version))
+
+
+def newer_than_me(version: str | None) -> bool:
+    return version is not None and version_key(version) > version_key(TOOL_VERSION)
+
+
+def _newer_refusal(version: str) -> str:
+    return (
+        f"patched by dynspec-patch {version}, newer than this one ({TOOL_VERSION}): "
+        f"use dynspec-patch >= {version}; nothing was downgraded"
+    )
+
+
 def _state_label(state: object) -> str:
     return state.label  # type: ignore[attr-defined]
 
@@ -215,6 +251,8 @@ def _apply_one(
     before = analyses.snapshot.get(path)
     analysis = analyses.of(codemod)
     state = analysis.state
+    if isinstance(state, Patched) and newer_than_me(state.version):
+        return FileChange.kept(path, before, "patched", "refused", _newer_refusal(state.version))
     if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
         state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
         analysis.refusal = state.reason
@@ -225,7 +263,22 @@ def _apply_one(
     if after == before:
         return FileChange(path, before, after, label, label, "unchanged", state.describe())
     action = "added" if before is None else "patched"
-    return FileChange(path, before, after, label, "patched", action, state.describe())
+    original = _encode(codemod.revert(analysis)) if isinstance(state, Patched) else before  # type: ignore[attr-defined]
+    return FileChange(
+        path, before, after, label, "patched", action, state.describe(), original=original
+    )
+
+
+def validate_options(
+    *, threshold: int | None = None, num_steps: int | None = None, worker: str = "auto"
+) -> None:
+    """Refuse bad option values before anything is read or any host is contacted (exit 2)."""
+    if threshold is not None and not 1 <= threshold <= MAX_THRESHOLD:
+        raise UsageError(f"--threshold must be between 1 and {MAX_THRESHOLD}, got {threshold}")
+    if num_steps is not None and not 1 <= num_steps <= MAX_NUM_STEPS:
+        raise UsageError(f"--num-steps must be between 1 and {MAX_NUM_STEPS}, got {num_steps}")
+    if worker not in WORKER_CHOICES:
+        raise UsageError(f"--worker must be one of {', '.join(WORKER_CHOICES)}, got {worker!r}")
 
 
 def plan_apply(
@@ -238,10 +291,16 @@ def plan_apply(
     cuda_graph_bs: Sequence[int] | None = None,
     native_config_path: str = CONFIG_FILE_NAME,
     recorded: Mapping[str, FileRecord] | None = None,
+    server_args: Mapping[str, object] | None = None,
+    server_argv: Sequence[str] = (),
 ) -> Plan:
-    """Plan ``apply``: which files change and how, or why nothing may be written."""
-    if threshold is not None and threshold < 1:
-        raise UsageError(f"--threshold must be >= 1, got {threshold}")
+    """Plan ``apply``: which files change and how, or why nothing may be written.
+
+    ``server_args``/``server_argv`` describe the running server where one is known (``--host``):
+    on the native route a configuration SGLang would silently run without the threshold
+    is refused.
+    """
+    validate_options(threshold=threshold, num_steps=num_steps, worker=worker)
     recorded = recorded or {}
     version = release_version(snapshot)
     analyses = _Analyses(snapshot)
@@ -254,7 +313,22 @@ def plan_apply(
         config = native_config(
             threshold, num_steps or DEFAULT_NUM_STEPS, native_config_path, cuda_graph_bs
         )
-        return Plan("apply", version, route, reason, native=config, server_flags=config.flags)
+        why_not = adaptive_unsupported_reason(server_args or {}, server_argv)
+        refusal = None
+        if why_not is not None:
+            refusal = (
+                f"SGLang {version} switches --speculative-adaptive off for this server "
+                f"({why_not}): the threshold would do nothing; nothing was written"
+            )
+        return Plan(
+            "apply",
+            version,
+            route,
+            reason,
+            native=config,
+            server_flags=config.flags,
+            refusal=refusal,
+        )
 
     selected, why = _selected_workers(snapshot, worker, live_worker)
     files = [
@@ -294,21 +368,45 @@ def _as_not_written(change: FileChange) -> FileChange:
 
 
 def _revert_one(
-    codemod: object, snapshot: Snapshot, recorded: Mapping[str, FileRecord], force: bool
+    codemod: object,
+    snapshot: Snapshot,
+    recorded: Mapping[str, FileRecord],
+    force: bool,
+    originals: Mapping[str, bytes | None] | None,
 ) -> FileChange:
     path: str = codemod.PATH  # type: ignore[attr-defined]
     before = snapshot.get(path)
     analysis = codemod.analyse(_text(snapshot, path))  # type: ignore[attr-defined]
     label = _state_label(analysis.state)
-    if isinstance(analysis.state, Unknown):
-        return FileChange.kept(path, before, label, "refused", analysis.state.reason)
-    if isinstance(analysis.state, Unpatched):
-        return FileChange.kept(path, before, label, "unchanged", "not patched")
     record = recorded.get(path)
-    if not force and _recorded_mismatch(path, before, recorded):
+    if recorded and record is None and not isinstance(analysis.state, Patched):
+        reason = "never touched by dynspec-patch (not in the manifest)"
+        return FileChange.kept(path, before, label, "skipped", reason)
+    change = _plain_revert(codemod, path, before, analysis, label, record, force)
+    if change.action == "refused" and originals is not None and record is not None:
+        return _restore_original(change, record, originals)
+    return change
+
+
+def _plain_revert(
+    codemod: object,
+    path: str,
+    before: bytes | None,
+    analysis: object,
+    label: str,
+    record: FileRecord | None,
+    force: bool,
+) -> FileChange:
+    state = analysis.state  # type: ignore[attr-defined]
+    if isinstance(state, Unknown):
+        hint = "; --restore-originals puts back the original saved at apply" if record else ""
+        return FileChange.kept(path, before, label, "refused", state.reason + hint)
+    if isinstance(state, Unpatched):
+        return FileChange.kept(path, before, label, "unchanged", "not patched")
+    if not force and record is not None and sha256_or_none(before) != record.sha256_after:
         reason = (
             "changed since dynspec-patch wrote it (sha256 differs from the manifest); "
-            "--force reverts anyway"
+            "--force reverts anyway, --restore-originals puts the saved original back"
         )
         return FileChange.kept(path, before, label, "refused", reason)
     after = _encode(codemod.revert(analysis))  # type: ignore[attr-defined]
@@ -316,15 +414,45 @@ def _revert_one(
         reason = "reverting would not restore the bytes recorded at apply time"
         return FileChange.kept(path, before, label, "refused", reason)
     action = "removed" if after is None else "reverted"
-    return FileChange(path, before, after, label, "unpatched", action, analysis.state.describe())
+    return FileChange(path, before, after, label, "unpatched", action, state.describe())
+
+
+def _restore_original(
+    refused: FileChange, record: FileRecord, originals: Mapping[str, bytes | None]
+) -> FileChange:
+    """``--restore-originals``: the saved original, when it hashes to what apply recorded."""
+    path = refused.path
+    if record.sha256_before is None:
+        saved = None  # dynspec-patch created this file: the original state is "absent"
+    elif path in originals and sha256_or_none(originals[path]) == record.sha256_before:
+        saved = originals[path]
+    else:
+        reason = f"{refused.reason}; no intact saved original to restore"
+        return FileChange.kept(path, refused.before, refused.state_before, "refused", reason)
+    reason = f"saved original put back ({refused.reason})"
+    return FileChange(
+        path, refused.before, saved, refused.state_before, "original", "restored", reason
+    )
 
 
 def plan_revert(
-    snapshot: Snapshot, *, recorded: Mapping[str, FileRecord] | None = None, force: bool = False
+    snapshot: Snapshot,
+    *,
+    recorded: Mapping[str, FileRecord] | None = None,
+    force: bool = False,
+    originals: Mapping[str, bytes | None] | None = None,
 ) -> Plan:
-    """Plan ``revert``: every patched file back to its original bytes, hooks first."""
+    """Plan ``revert``: every patched file back to its original bytes, hooks first.
+
+    ``originals`` (the saved copies, given for ``--restore-originals``) replace a file whose
+    plain revert is refused, provided it hashes to the ``before`` the manifest recorded.
+    Where a manifest exists, files it does not list are left alone unless they carry our patch.
+    """
     recorded = recorded or {}
     version = release_version(snapshot)
+    route = _route(snapshot, _Analyses(snapshot).v2_facts())[0]
+    if route == "native":
+        return Plan("revert", version, route, "no source change to undo (native route)")
     codemods = (
         HookEagleWorkerV2Command(),
         HookEagleWorkerCommand(),
@@ -332,7 +460,7 @@ def plan_revert(
         InstallRuntimeModuleCommand(),
     )
     files = tuple(
-        _revert_one(codemod, snapshot, recorded, force)
+        _revert_one(codemod, snapshot, recorded, force, originals)
         for codemod in codemods
         if snapshot.get(codemod.PATH) is not None
     )
@@ -392,8 +520,62 @@ def next_manifest(previous: Manifest | None, plan: Plan) -> Manifest | None:
         if plan.operation == "revert":
             records.pop(change.path, None)
             continue
-        original = first.sha256_before if first else sha256_or_none(change.before)
+        original = first.sha256_before if first else sha256_or_none(change.first_bytes)
         records[change.path] = FileRecord(change.path, original, sha256_or_none(change.after))
     if not records:
         return None
     return Manifest(plan.sglang_version, tuple(records[p] for p in sorted(records)))
+
+
+@dataclass(frozen=True)
+class TreeState:
+    """The one judgement of a whole tree that ``status``, ``apply`` and ``revert`` share."""
+
+    state: str  # original | patched | mixed | unknown
+    problems: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {"state": self.state, "problems": list(self.problems)}
+
+
+def tree_state(plan: Plan, manifest: Manifest | None, snapshot: Snapshot) -> TreeState:
+    """original | patched | mixed | unknown, from the files' bytes and the manifest's hashes.
+
+    ``plan`` is ``plan_status`` of ``snapshot``. ``mixed``: some files patched and others not
+    (or not as recorded), or hooks that import a runtime module which is not installed.
+    """
+    states = {f.path: f.state_before for f in plan.files}
+    problems: list[str] = []
+    for f in plan.files:
+        if f.state_before == "unknown":
+            problems.append(f"{f.path}: {f.reason}")
+    if manifest is not None and manifest.files:
+        for record in manifest.files:
+            current = sha256_or_none(snapshot.get(record.path))
+            if current not in (record.sha256_after, record.sha256_before):
+                problems.append(f"{record.path}: matches neither the recorded original nor patch")
+    if newer_than_me(manifest.tool_version if manifest else None):
+        problems.append(f"the manifest was written by dynspec-patch {manifest.tool_version}, "  # type: ignore[union-attr]
+                        f"newer than this one ({TOOL_VERSION})")
+    hooks = [c.PATH for c in WORKER_CODEMODS.values() if states.get(c.PATH) == "patched"]
+    runtime = InstallRuntimeModuleCommand.PATH
+    if hooks and states.get(runtime) != "patched":
+        problems.append(f"{', '.join(hooks)} import(s) {runtime}, which is "
+                        f"{'missing' if snapshot.get(runtime) is None else 'not ours'}")
+    if manifest is not None and manifest.files:
+        records = manifest.files
+        current = {r.path: sha256_or_none(snapshot.get(r.path)) for r in records}
+        if all(current[r.path] == r.sha256_after for r in records) and not problems:
+            return TreeState("patched")
+        if all(current[r.path] == r.sha256_before for r in records) and not hooks:
+            return TreeState("original", tuple(problems))
+        return TreeState("mixed", tuple(problems) or ("files are partly patched",))
+    values = set(states.values())
+    if "unknown" in values:
+        return TreeState("unknown", tuple(problems))
+    if not values or values <= {"unpatched", "missing"}:
+        return TreeState("original")
+    core = (runtime, AddDisableThresholdArgCommand.PATH)
+    if all(states.get(p) == "patched" for p in core) and hooks and not problems:
+        return TreeState("patched")
+    return TreeState("mixed", tuple(problems) or ("files are partly patched",))

@@ -16,6 +16,10 @@ from __future__ import annotations
 class DynspecError(Exception):
     exit_code = 1
 
+    def __init__(self, message: str = "", *, reported: bool = False) -> None:
+        super().__init__(message)
+        self.reported = reported  # the --json object already carries this error
+
 
 class UsageError(DynspecError):
     exit_code = 2

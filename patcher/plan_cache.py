@@ -66,10 +66,12 @@ def _encode(plan: Plan) -> dict[str, Any]:
         "route": plan.route, "reason": plan.reason,
         "files": [{"path": f.path, "after": None if not f.changed else _b64(f.after),
                    "changed": f.changed, "state_before": f.state_before,
-                   "state_after": f.state_after, "action": f.action, "reason": f.reason}
+                   "state_after": f.state_after, "action": f.action, "reason": f.reason,
+                   "original": None if f.original is None else _b64(f.original)}
                   for f in plan.files],
         "server_flags": list(plan.server_flags),
         "patchable_workers": list(plan.patchable_workers),
+        "refusal": plan.refusal,
     }
 
 
@@ -79,19 +81,25 @@ def _decode(data: Mapping[str, Any], snapshot: Snapshot) -> Plan:
         before = snapshot.get(f["path"])
         after = (None if f["after"] is None else base64.b64decode(f["after"])) \
             if f["changed"] else before
+        original = None if f["original"] is None else base64.b64decode(f["original"])
         files.append(FileChange(f["path"], before, after, f["state_before"], f["state_after"],
-                                f["action"], f["reason"]))
+                                f["action"], f["reason"], original))
     return Plan(data["operation"], data["sglang_version"], data["route"], data["reason"],
                 tuple(files), None, tuple(data["server_flags"]),
-                tuple(data["patchable_workers"]))
+                tuple(data["patchable_workers"]), data["refusal"])
 
 
 def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | None = None,
                threshold: int | None = None, num_steps: int | None = None,
                cuda_graph_bs: Sequence[int] | None = None,
                native_config_path: str = CONFIG_FILE_NAME,
-               recorded: Mapping[str, FileRecord] | None = None) -> Plan:
-    """``engine.plan_apply``, planned once per key on this machine (same arguments)."""
+               recorded: Mapping[str, FileRecord] | None = None,
+               server_args: Mapping[str, object] | None = None,
+               server_argv: Sequence[str] = ()) -> Plan:
+    """``engine.plan_apply``, planned once per key on this machine (same arguments).
+
+    ``server_args``/``server_argv`` only decide native-route refusals, and native plans are
+    never stored, so they are not part of the key."""
     recorded = recorded or {}
     # native_config_path differs per host and only the native route (cheap, never stored)
     # uses it, like num_steps and cuda_graph_bs
@@ -102,7 +110,8 @@ def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | N
         return engine.plan_apply(snapshot, worker=worker, live_worker=live_worker,
                                  threshold=threshold, num_steps=num_steps,
                                  cuda_graph_bs=cuda_graph_bs,
-                                 native_config_path=native_config_path, recorded=recorded)
+                                 native_config_path=native_config_path, recorded=recorded,
+                                 server_args=server_args, server_argv=server_argv)
 
     directory = cache_dir() / "plans"
     try:

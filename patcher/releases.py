@@ -1,4 +1,8 @@
-"""Pinned SGLang releases: download with pip, verify the sha256, unpack into a cache.
+"""Pinned SGLang releases: download, verify the sha256, unpack into a cache.
+
+Downloads go through ``pip download`` where pip is importable (so a pip configuration,
+mirror or proxy applies); without pip (e.g. a ``uv tool`` environment) the wheel is fetched
+straight from PyPI's JSON API (``$DYNSPEC_PYPI_URL``, default https://pypi.org/pypi).
 
 The cache lives outside any checkout: ``$DYNSPEC_CACHE``, else
 ``$XDG_CACHE_HOME/dynspec-patch``, else ``~/.cache/dynspec-patch``. Wheels sit in
@@ -10,13 +14,18 @@ error (the tests run that way; CI fetches the pins first).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
+import urllib.error
+import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -33,6 +42,10 @@ _PIP_PLATFORM_ARGS = (
     "--platform",
     "manylinux_2_34_x86_64",
 )
+
+
+Progress = Callable[[str], None] | None
+DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,52 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel(pin: Pin) -> Path:
+def _pip_available() -> bool:
+    return importlib.util.find_spec("pip") is not None
+
+
+def _pip_download(pin: Pin, scratch: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        *_PIP_PLATFORM_ARGS,
+        "--dest",
+        scratch,
+        f"sglang=={pin.version}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not (Path(scratch) / pin.wheel).exists():
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ReleaseFetchError(f"pip could not download {pin.wheel}: {tail}")
+
+
+def _pypi_download(pin: Pin, scratch: str) -> None:
+    """Without pip: the wheel's URL from PyPI's JSON API, then the wheel itself."""
+    base = os.environ.get("DYNSPEC_PYPI_URL", DEFAULT_PYPI_URL).rstrip("/")
+    index = f"{base}/sglang/{pin.version}/json"
+    try:
+        with urllib.request.urlopen(index, timeout=60) as response:
+            files = json.load(response)["urls"]
+        url = next(f["url"] for f in files if f["filename"] == pin.wheel)
+        with urllib.request.urlopen(url, timeout=600) as response, open(
+            Path(scratch) / pin.wheel, "wb"
+        ) as fh:
+            shutil.copyfileobj(response, fh)
+    except StopIteration:
+        raise ReleaseFetchError(f"{index} does not list {pin.wheel}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReleaseFetchError(
+            f"pip is not installed in this environment ({sys.executable}), and downloading "
+            f"{pin.wheel} from {base} failed: {exc}; install pip there, or put the wheel in "
+            f"{cache_dir() / 'wheels'}"
+        ) from exc
+
+
+def fetch_wheel(pin: Pin, on_progress: Progress = None) -> Path:
     """Return the cached wheel of ``pin``, downloading it first if needed; sha256-checked."""
     wheels = cache_dir() / "wheels"
     target = wheels / pin.wheel
@@ -107,23 +165,11 @@ def fetch_wheel(pin: Pin) -> Path:
         )
     wheels.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=wheels) as scratch:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            *_PIP_PLATFORM_ARGS,
-            "--dest",
-            scratch,
-            f"sglang=={pin.version}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        how = "pip" if _pip_available() else "PyPI (no pip here)"
+        if on_progress:
+            on_progress(f"downloading {pin.wheel} with {how}")
+        (_pip_download if _pip_available() else _pypi_download)(pin, scratch)
         downloaded = Path(scratch) / pin.wheel
-        if proc.returncode != 0 or not downloaded.exists():
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ReleaseFetchError(f"pip could not download {pin.wheel}: {tail}")
         actual = _sha256(downloaded)
         if actual != pin.sha256:
             raise ReleaseFetchError(
@@ -133,14 +179,14 @@ def fetch_wheel(pin: Pin) -> Path:
     return target
 
 
-def release_dir(pin: Pin) -> Path:
+def release_dir(pin: Pin, on_progress: Progress = None) -> Path:
     """Return ``<cache>/releases/<version>/sglang``: the wheel's ``sglang`` package, unpacked."""
     root = cache_dir() / "releases" / pin.version
     package = root / "sglang"
     complete = root / ".complete"
     if complete.exists() and complete.read_text().strip() == pin.sha256:
         return package
-    wheel = fetch_wheel(pin)
+    wheel = fetch_wheel(pin, on_progress)
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{pin.version}-"))
@@ -152,9 +198,9 @@ def release_dir(pin: Pin) -> Path:
     return package
 
 
-def copy_release(pin: Pin, dest: Path) -> Path:
+def copy_release(pin: Pin, dest: Path, on_progress: Progress = None) -> Path:
     """Copy a pinned release into ``dest/sglang-<version>/sglang`` (a scratch tree to patch)."""
-    source = release_dir(pin)
+    source = release_dir(pin, on_progress)
     target = dest / f"sglang-{pin.version}" / "sglang"
     if target.exists():
         shutil.rmtree(target)

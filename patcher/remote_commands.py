@@ -78,11 +78,15 @@ def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
            restart_cmd: str | None, pid: int | None, port: int | None,
            health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
            on_progress: Callable[[str], None] | None = None,
-           rotation: Rotation | None = None) -> dict[str, Any]:
-    """Restore the original bytes (refused if a file changed since apply, unless force)."""
+           rotation: Rotation | None = None,
+           restore_originals: bool = False) -> dict[str, Any]:
+    """Restore the original bytes (refused if a file changed since apply, unless force;
+    ``restore_originals`` puts the copies saved at apply back where a plain revert can't);
+    with ``rotation`` the server is out of its sglang-router while it restarts."""
     return _run(opts, rolling, faults, on_progress, operation=deploy.revert, rotation=rotation,
                 dry_run=dry_run, force=force, no_restart=no_restart, restart_cmd=restart_cmd,
-                pid=pid, port=port, health_timeout=health_timeout, stop_timeout=stop_timeout)
+                pid=pid, port=port, health_timeout=health_timeout, stop_timeout=stop_timeout,
+                restore_originals=restore_originals)
 
 
 def status(opts: HostOptions) -> dict[str, Any]:

@@ -1,7 +1,11 @@
 """The SSH link to one host: the only module that imports paramiko.
 
-``Connection`` resolves the host through ``~/.ssh/config`` (HostName, User, Port, IdentityFile,
-ProxyJump, UserKnownHostsFile, ConnectTimeout, ServerAliveInterval), checks the host key
+A host is resolved exactly as the OpenSSH client would (``ssh -G``: Include, Match, wildcards,
+tokens, first value wins) wherever ``ssh`` is installed, and with paramiko's own ssh_config
+parser otherwise. ``Connection`` then honours HostName, User, Port, IdentityFile,
+CertificateFile, IdentityAgent, IdentitiesOnly, ProxyCommand, ProxyJump chains,
+UserKnownHostsFile / GlobalKnownHostsFile (hashed entries too), HashKnownHosts,
+StrictHostKeyChecking accept-new, ConnectTimeout and ServerAliveInterval; it checks the host key
 against known_hosts with a reject policy (``accept_new_host_key`` only adds hosts that are
 absent; a changed key is always refused), authenticates with key files and the SSH agent, and
 counts what it does so the benchmark can report round trips.
@@ -19,7 +23,9 @@ import json
 import os
 import select
 import shlex
+import shutil
 import socket
+import subprocess
 import time
 import zlib
 from collections.abc import Callable
@@ -63,6 +69,13 @@ class SshTarget:
     keepalive: int = 15
     config_path: str | None = None
     accept_new_host_key: bool = False  # ssh_config StrictHostKeyChecking accept-new
+    proxy_command: str | None = None  # tokens already expanded
+    identity_agent: str | None = None  # a socket path; "none": no agent
+    certificate_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    hash_known_hosts: bool = False
+    global_known_hosts: tuple[str, ...] = ()
+    resolved_by: str = "paramiko"  # "ssh -G" where the OpenSSH client resolved it
 
 
 @dataclass
@@ -107,6 +120,13 @@ def resolve_target(
     if at_user and user and at_user != user:
         raise UsageError(f"user given twice: {at_user!r} in {host!r} and --user {user!r}")
     user = user or at_user
+    if ssh_config and not os.path.exists(ssh_config):
+        raise UsageError(f"ssh config {ssh_config} does not exist")
+    ssh = shutil.which("ssh")
+    if ssh is not None:
+        return _resolve_with_openssh(ssh, alias, port=port, user=user,
+                                     identity_file=identity_file, known_hosts=known_hosts,
+                                     ssh_config=ssh_config, connect_timeout=connect_timeout)
     cfg_path = ssh_config or os.path.expanduser("~/.ssh/config")
     entry: dict[str, Any] = {}
     if os.path.exists(cfg_path):
@@ -114,8 +134,6 @@ def resolve_target(
             entry = dict(paramiko.SSHConfig.from_path(cfg_path).lookup(alias))
         except (OSError, paramiko.SSHException) as exc:
             raise UsageError(f"cannot read ssh config {cfg_path}: {exc}") from exc
-    elif ssh_config:
-        raise UsageError(f"ssh config {ssh_config} does not exist")
     identities = [identity_file] if identity_file else list(entry.get("identityfile", []))
     kh = [known_hosts] if known_hosts else entry.get("userknownhostsfile", "").split()
     if not kh:
@@ -144,10 +162,126 @@ def resolve_target(
     )
 
 
+def _resolve_with_openssh(ssh: str, alias: str, *, port: int | None, user: str | None,
+                          identity_file: str | None, known_hosts: str | None,
+                          ssh_config: str | None, connect_timeout: float | None) -> SshTarget:
+    """``ssh -G``: the OpenSSH client's own resolution of ``alias`` (command line wins)."""
+    cmd = [ssh, "-G"]
+    if ssh_config:
+        cmd += ["-F", ssh_config]
+    if port:
+        cmd += ["-p", str(port)]
+    if user:
+        cmd += ["-l", user]
+    cmd += ["--", alias]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError(f"ssh -G {alias} failed: {exc}") from exc
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"ssh -G {alias} failed: {tail}")
+    entry: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        entry.setdefault(key.lower(), []).append(value)
+
+    def one(key: str, default: str | None = None) -> str | None:
+        return entry.get(key, [default])[0]
+
+    hostname = one("hostname", alias) or alias
+    final_user = one("user") or _local_user()
+    final_port = int(one("port", "22") or 22)
+    tokens = {"%%": "%", "%h": hostname, "%p": str(final_port), "%r": final_user,
+              "%n": alias, "%u": _local_user(), "%d": os.path.expanduser("~"),
+              "%l": socket.gethostname().split(".")[0], "%L": socket.gethostname()}
+
+    def path(value: str) -> str:
+        return os.path.expanduser(_expand_tokens(value, tokens))
+
+    identities = [identity_file] if identity_file else [path(v) for v in entry.get(
+        "identityfile", [])]
+    kh = [known_hosts] if known_hosts else [path(p) for v in entry.get(
+        "userknownhostsfile", []) for p in v.split()]
+    jump = one("proxyjump")
+    command = one("proxycommand")
+    timeout_s = one("connecttimeout", "none")
+    agent = one("identityagent")
+    return SshTarget(
+        alias=alias,
+        hostname=hostname,
+        port=final_port,
+        user=final_user,
+        identity_files=tuple(identities),
+        proxy_jump=None if not jump or jump == "none" else jump,
+        known_hosts=tuple(kh) or (os.path.expanduser("~/.ssh/known_hosts"),),
+        connect_timeout=connect_timeout or (
+            float(timeout_s) if timeout_s and timeout_s != "none" else 15.0),
+        keepalive=int(one("serveraliveinterval", "0") or 0) or 15,
+        config_path=ssh_config,
+        accept_new_host_key=one("stricthostkeychecking") == "accept-new",
+        proxy_command=None if not command or command == "none" else _expand_tokens(
+            command, tokens),
+        identity_agent=None if agent is None or agent == "SSH_AUTH_SOCK" else (
+            agent if agent == "none" else path(agent)),
+        certificate_files=tuple(path(v) for v in entry.get("certificatefile", [])),
+        identities_only=one("identitiesonly") == "yes",
+        hash_known_hosts=one("hashknownhosts") == "yes",
+        global_known_hosts=tuple(path(p) for v in entry.get("globalknownhostsfile", [])
+                                 for p in v.split()),
+        resolved_by="ssh -G",
+    )
+
+
+def _expand_tokens(value: str, tokens: dict[str, str]) -> str:
+    """ssh_config's ``%`` tokens (``%%`` is a literal percent sign)."""
+    out, i = [], 0
+    while i < len(value):
+        pair = value[i:i + 2]
+        if pair in tokens:
+            out.append(tokens[pair])
+            i += 2
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
 def _local_user() -> str:
     import getpass
 
     return getpass.getuser()
+
+
+@contextlib.contextmanager
+def _agent_socket(path: str | None) -> Any:
+    """Point paramiko's agent client at ``IdentityAgent`` for the length of the login."""
+    if path is None or path == "none":
+        yield
+        return
+    saved = os.environ.get("SSH_AUTH_SOCK")
+    os.environ["SSH_AUTH_SOCK"] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SSH_AUTH_SOCK", None)
+        else:
+            os.environ["SSH_AUTH_SOCK"] = saved
+
+
+def _certified_key(identities: list[str], certificates: tuple[str, ...]) -> paramiko.PKey | None:
+    """The first identity that loads with one of ``CertificateFile`` (an OpenSSH certificate)."""
+    for cert in (c for c in certificates if os.path.exists(c)):
+        for identity in identities:
+            try:
+                key = paramiko.PKey.from_path(identity)
+                key.load_certificate(cert)
+            except (OSError, ValueError, paramiko.SSHException):
+                continue
+            return key
+    return None
 
 
 def _known_hosts_name(hostname: str, port: int) -> str:
@@ -158,16 +292,18 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     """Add a host that is absent from known_hosts (never one whose key changed: paramiko
     raises BadHostKeyException for those before asking a policy)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, hashed: bool = False) -> None:
         self.path = path
+        self.hashed = hashed  # ssh_config HashKnownHosts yes
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
                          key: paramiko.PKey) -> None:
         client.get_host_keys().add(hostname, key.get_name(), key)
         Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = paramiko.HostKeys.hash_host(hostname) if self.hashed else hostname
         with open(self.path, "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
-            fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+            fh.write(f"{name} {key.get_name()} {key.get_base64()}\n")
 
 
 class _RejectPolicy(paramiko.MissingHostKeyPolicy):
@@ -248,19 +384,27 @@ class Connection:
                     client.load_host_keys(path)
                 except (OSError, paramiko.SSHException) as exc:
                     raise UsageError(f"cannot read known_hosts {path}: {exc}") from exc
+        for path in t.global_known_hosts:
+            with contextlib.suppress(OSError, paramiko.SSHException):
+                client.load_system_host_keys(path)
         policy: paramiko.MissingHostKeyPolicy = (
-            _AcceptNewPolicy(t.known_hosts[0]) if self.accept_new_host_key else _RejectPolicy()
+            _AcceptNewPolicy(t.known_hosts[0], t.hash_known_hosts)
+            if self.accept_new_host_key else _RejectPolicy()
         )
         client.set_missing_host_key_policy(policy)
         # paramiko keeps the file it loaded as the save target; we append ourselves instead.
+        keys = [p for p in t.identity_files if os.path.exists(p)]
         try:
-            client.connect(
-                t.hostname, port=t.port, username=t.user, sock=sock,
-                key_filename=list(t.identity_files) or None,
-                look_for_keys=not t.identity_files, allow_agent=True,
-                timeout=t.connect_timeout, banner_timeout=t.connect_timeout,
-                auth_timeout=t.connect_timeout, channel_timeout=t.connect_timeout,
-            )
+            with _agent_socket(t.identity_agent):
+                client.connect(
+                    t.hostname, port=t.port, username=t.user, sock=sock,
+                    pkey=_certified_key(keys, t.certificate_files),
+                    key_filename=keys or None,
+                    look_for_keys=not t.identity_files,
+                    allow_agent=t.identity_agent != "none" and not t.identities_only,
+                    timeout=t.connect_timeout, banner_timeout=t.connect_timeout,
+                    auth_timeout=t.connect_timeout, channel_timeout=t.connect_timeout,
+                )
         except HostKeyError:
             sock.close()
             raise
@@ -312,6 +456,11 @@ class Connection:
             assert via is not None
             self._jump = via
             return self._direct_tcpip(via)
+        if t.proxy_command:
+            try:
+                return paramiko.ProxyCommand(t.proxy_command)
+            except (paramiko.SSHException, OSError) as exc:
+                raise ConnectError(f"ProxyCommand for {t.alias} failed: {exc}") from exc
         try:
             sock = socket.create_connection((t.hostname, t.port), timeout=t.connect_timeout)
         except OSError as exc:

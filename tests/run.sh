@@ -23,6 +23,19 @@ echo "== lint"
 echo "== check-pins: apply, re-apply, revert on every pinned release"
 "$venv/bin/dynspec-patch" check-pins
 
+echo "== declared minimum versions: the CLI tests on exactly the lower bounds in pyproject.toml"
+min_venv="${DYNSPEC_MIN_VENV:-.venv-min}"
+[[ -x "$min_venv/bin/python" ]] || python3 -m venv "$min_venv"
+"$venv/bin/python" -c '
+import tomllib
+for dependency in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    print(dependency.replace(">=", "=="))
+' > "$min_venv/constraints.txt"
+"$min_venv/bin/pip" install "${pip_opts[@]}" -c "$min_venv/constraints.txt" -e . "pytest>=8"
+"$min_venv/bin/pip" check
+DYNSPEC_OFFLINE=1 "$min_venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/codemods/test_cli_contract.py tests/codemods/test_native_and_cli.py
+
 echo "== slow tier virtualenvs"
 bash tests/slow/setup_envs.sh
 

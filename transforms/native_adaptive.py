@@ -9,7 +9,7 @@ placed just above the padded threshold: batches of at most T (padded) keep specu
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 CONFIG_FILE_NAME = "dynspec-adaptive.json"
@@ -75,3 +75,51 @@ def native_config(
     }
     flags = ("--speculative-adaptive", "--speculative-adaptive-config", config_path)
     return NativeConfig(flags, config, threshold, effective, tuple(notes))
+
+
+# SGLang 0.5.14+ (speculative/adaptive_spec_params.py: adaptive_unsupported_reason) switches
+# --speculative-adaptive off with a warning in these configurations: the threshold would then
+# silently do nothing, so they are refused before anything is written.
+_UNSUPPORTED_SWITCHES = (
+    ("enable_dp_attention", "--enable-dp-attention", "DP attention (tier decisions are not "
+     "synchronized across DP ranks)"),
+    ("enable_multi_layer_eagle", "--enable-multi-layer-eagle", "multi-layer EAGLE "
+     "(MultiLayerEagleWorkerV2 does not implement adaptive)"),
+    ("enable_two_batch_overlap", "--enable-two-batch-overlap", "two-batch overlap (the "
+     "adaptive state swap would discard the TboAttnBackend wrapper)"),
+    ("enable_pdmux", "--enable-pdmux", "pdmux (the adaptive state swap does not update "
+     "decode_attn_backend_group)"),
+)
+
+
+def _flag_value(argv: Sequence[str], name: str) -> str | None:
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def adaptive_unsupported_reason(
+    server_args: Mapping[str, object], argv: Sequence[str] = ()
+) -> str | None:
+    """Why SGLang would switch ``--speculative-adaptive`` off for this server (None: it runs).
+
+    ``server_args`` are the server's effective args where known, ``argv`` its command line.
+    """
+    algorithm = server_args.get("speculative_algorithm") or _flag_value(
+        argv, "--speculative-algorithm"
+    )
+    if algorithm is not None and algorithm not in ("EAGLE", "EAGLE3", "NEXTN"):
+        return f"speculative_algorithm={algorithm} (adaptive supports EAGLE/EAGLE3 only)"
+    topk = server_args.get("speculative_eagle_topk")
+    if topk is None:
+        topk = _flag_value(argv, "--speculative-eagle-topk")
+    if topk is not None and str(topk) != "1":
+        return f"speculative_eagle_topk={topk} (adaptive supports topk 1 only)"
+    for key, flag, what in _UNSUPPORTED_SWITCHES:
+        if server_args.get(key) or flag in argv:
+            return f"{key}=True: {what}"
+    return None

@@ -33,6 +33,7 @@ from transforms.markers import (
 # A block is reached from the module by following compound statements' bodies:
 # () is the module itself, (3,) the body of module.body[3], (3, 5) the body of its 6th statement.
 BlockPath = tuple[int, ...]
+BOM = "\ufeff"
 Block = cst.Module | cst.IndentedBlock
 
 
@@ -234,10 +235,16 @@ class MarkedInsertionCodemod(ABC):
         if source is None:
             reason = f"{self.PATH} is missing"
             return Analysis(source, Unknown(reason), reason)
+        if source.startswith(BOM):
+            reason = "starts with a UTF-8 byte-order mark, which dynspec-patch does not rewrite"
+            return Analysis(source, Unknown(reason), reason)
         try:
             module = cst.parse_module(source)
         except cst.ParserSyntaxError as exc:
             reason = _syntax_error(source, exc)
+            return Analysis(source, Unknown(reason), reason)
+        if module.code != source:
+            reason = "libcst cannot reproduce this file byte for byte; refused"
             return Analysis(source, Unknown(reason), reason)
         if "dynspec" not in source:
             return self._analyse_unpatched(source, module)

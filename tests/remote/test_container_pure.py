@@ -69,4 +69,4 @@ def test_commit_image_without_host_is_a_usage_error(tmp_path, capsys):
     from patcher import cli
 
     assert cli.run(["apply", "--sglang-root", str(tmp_path), "--commit-image", "x:y"]) == 2
-    assert "--commit-image works with --host" in capsys.readouterr().err
+    assert "--commit-image applies only with --host" in capsys.readouterr().err

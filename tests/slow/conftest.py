@@ -75,8 +75,8 @@ def patch_tree(version: str, dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root, members=[n for n in archive.namelist()
                                           if n.startswith("sglang/")])
-    cmd = [sys.executable, "-m", "patcher.cli", "apply", "--sglang-root", str(root / "sglang"),
-           "--worker", "both"]
+    cmd = [sys.executable, "-m", "patcher.cli", "apply",
+           "--sglang-root", str(root / "sglang"), "--worker", "both"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         pytest.fail(f"dynspec-patch apply failed on {version}:\n{proc.stdout}\n{proc.stderr}")

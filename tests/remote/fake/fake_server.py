@@ -37,7 +37,8 @@ import sglang
 PKG = next(iter(sglang.__path__))
 ENV = os.environ
 BOOL_FLAGS = {"disable_overlap_schedule", "enable_beta_spec", "speculative_adaptive",
-              "enable_multi_layer_eagle", "trust_remote_code", "disable_cuda_graph"}
+              "enable_multi_layer_eagle", "trust_remote_code", "disable_cuda_graph",
+              "enable_dp_attention", "enable_two_batch_overlap", "enable_pdmux"}
 INT_FLAGS = {"port", "speculative_eagle_topk", "speculative_num_steps",
              "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "tp_size"}
 
