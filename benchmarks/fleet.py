@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests" / "remote"))
 import fleet_harness as fleet  # noqa: E402
 import remote_harness as harness  # noqa: E402
 
-from patcher.releases import cache_dir  # noqa: E402
+from dynspec_patch.patcher.releases import cache_dir  # noqa: E402
 
 
 def run_size(base: Path, pristine: Path, size: int) -> dict[str, Any]:

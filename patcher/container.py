@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from patcher.errors import RefusedError, UsageError
+from dynspec_patch.patcher.errors import RefusedError, UsageError
 
 ENV_CLIENT = "DYNSPEC_DOCKER_CLIENT"
 ENV_HOST = "DYNSPEC_DOCKER_HOST"

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from patcher import deploy
-from patcher.engine import Plan
-from patcher.errors import DynspecError, RollbackError, UsageError
-from patcher.facts import ServerProcess
-from patcher.router import Rotation, RouterClient, rolling
-from patcher.ssh import Connection, SshTarget
+from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher.engine import Plan
+from dynspec_patch.patcher.errors import DynspecError, RollbackError, UsageError
+from dynspec_patch.patcher.facts import ServerProcess
+from dynspec_patch.patcher.router import Rotation, RouterClient, rolling
+from dynspec_patch.patcher.ssh import Connection, SshTarget
 
 
 def _jump_without_brackets(jump: str) -> str:

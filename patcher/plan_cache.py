@@ -27,11 +27,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from patcher import engine
-from patcher.engine import FileChange, Plan, Snapshot
-from patcher.manifest import FileRecord, sha256_or_none
-from patcher.releases import cache_dir
-from transforms.native_adaptive import CONFIG_FILE_NAME
+from dynspec_patch.patcher import engine
+from dynspec_patch.patcher.engine import FileChange, Plan, Snapshot
+from dynspec_patch.patcher.manifest import FileRecord, sha256_or_none
+from dynspec_patch.patcher.releases import cache_dir
+from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 
 @functools.cache

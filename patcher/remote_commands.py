@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from patcher import deploy
-from patcher.container import DockerOptions
-from patcher.deploy import Faults
-from patcher.router import Rotation, rolling
-from patcher.ssh import resolve_target
+from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher.container import DockerOptions
+from dynspec_patch.patcher.deploy import Faults
+from dynspec_patch.patcher.router import Rotation, rolling
+from dynspec_patch.patcher.ssh import resolve_target
 
 
 @dataclass(frozen=True)

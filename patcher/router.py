@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from patcher.errors import DynspecError, RefusedError
-from patcher.facts import ServerProcess
-from patcher.ssh import Connection, ConnectionLost, RemoteError
+from dynspec_patch.patcher.errors import DynspecError, RefusedError
+from dynspec_patch.patcher.facts import ServerProcess
+from dynspec_patch.patcher.ssh import Connection, ConnectionLost, RemoteError
 
 Operation = Callable[..., dict[str, Any]]
 

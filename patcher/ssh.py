@@ -36,8 +36,10 @@ from typing import Any
 
 import paramiko
 
-from patcher.errors import DynspecError, RefusedError, UsageError
-from patcher.remote_agent import BOOTSTRAP  # the agent starts itself the same way in a container
+from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
+from dynspec_patch.patcher.remote_agent import (
+    BOOTSTRAP,  # the agent starts itself the same way in a container
+)
 
 
 class ConnectError(DynspecError):
@@ -603,7 +605,7 @@ def _parse_http(data: bytes) -> HttpResponse:
 
 
 def agent_source() -> bytes:
-    return (resources.files("patcher") / "remote_agent.py").read_bytes()
+    return (resources.files("dynspec_patch.patcher") / "remote_agent.py").read_bytes()
 
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from patcher import engine, local, plan_cache
-from patcher.releases import find_pin, release_dir
+from dynspec_patch.patcher import engine, local, plan_cache
+from dynspec_patch.patcher.releases import find_pin, release_dir
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from remote_harness import FAKE_DIR, _children, outer_pid
 
-from patcher.releases import fetch_wheel, find_pin
+from dynspec_patch.patcher.releases import fetch_wheel, find_pin
 
 DOCKER = "/usr/bin/docker"
 DOCKERD = "/usr/sbin/dockerd"

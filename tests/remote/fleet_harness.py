@@ -95,7 +95,7 @@ class FleetHost:
         }
 
     def options(self):
-        from patcher.remote_commands import HostOptions
+        from dynspec_patch.patcher.remote_commands import HostOptions
 
         return HostOptions(host="127.0.0.1", port=self.sshd.port, user=OP_USER,
                            identity_file=str(self.sshd.client_key),

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from patcher import container
-from patcher.errors import RefusedError, UsageError
-from patcher.remote_agent import is_server_argv
+from dynspec_patch.patcher import container
+from dynspec_patch.patcher.errors import RefusedError, UsageError
+from dynspec_patch.patcher.remote_agent import is_server_argv
 
 SERVER = ["python3", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "30000"]
 FLAG = ["--speculative-disable-batch-threshold", "8"]
@@ -66,7 +66,7 @@ def test_bad_image_tags_are_usage_errors(tag):
 
 
 def test_commit_image_without_host_is_a_usage_error(tmp_path, capsys):
-    from patcher import cli
+    from dynspec_patch.patcher import cli
 
     assert cli.run(["apply", "--sglang-root", str(tmp_path), "--commit-image", "x:y"]) == 2
     assert "--commit-image applies only with --host" in capsys.readouterr().err

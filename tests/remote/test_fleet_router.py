@@ -12,7 +12,7 @@ import time
 from fleet_harness import Load
 from remote_harness import OP_USER, tree_bytes
 
-from patcher import cli
+from dynspec_patch.patcher import cli
 
 
 def cli_host(capsys, host, *args: str) -> tuple[int, dict | str, str]:

@@ -17,9 +17,9 @@ import pytest
 from docker_harness import DOCKER, SITE, server_argv, server_info, wait_healthy
 from remote_harness import OP_USER
 
-from patcher import cli
-from patcher import remote_commands as rc
-from patcher.errors import RefusedError, RollbackError
+from dynspec_patch.patcher import cli
+from dynspec_patch.patcher import remote_commands as rc
+from dynspec_patch.patcher.errors import RefusedError, RollbackError
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
 from tests.runtime.releases import V1_RELEASES, V2_RELEASES
-from transforms.runtime import dynspec_fallback as dyn
 
 
 class SpeculativeAlgorithm(enum.Enum):

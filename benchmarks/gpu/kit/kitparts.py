@@ -3,8 +3,6 @@
 
   kitparts.py build RELEASE OUTDIR [--cache DIR] [--pins FILE|latest] [--limit-mib 58]
                                    [--glibc 2.34]
-  kitparts.py patchpart RELEASE OUTDIR --dynspec-src DIR [--cache DIR] [--python PY]
-                                   [--threshold T]
   kitparts.py dists DIR            names and versions of the distributions in DIR/partA, DIR/partB
   kitparts.py compare OLD NEW      same distributions (names + versions) in both? exit 1 if not
 
@@ -18,7 +16,6 @@ import calendar
 import email
 import gzip
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -644,95 +641,6 @@ def cmd_compare(a):
     sys.exit(rc)
 
 
-# ---------------------------------------------------------------- patch part
-def cmd_patchpart(a):
-    """Apply dynspec-patch to an unpacked copy of the release's wheel; keep the changed files
-    (files/), the report (apply.json), the CLI's source (dynspec-patch/) and libcst's wheel
-    (wheels/)."""
-    out = Path(a.outdir).resolve() / "patch"
-    cache = Path(a.cache).resolve()
-    src = Path(a.dynspec_src).resolve()
-    if not (src / "patcher" / "cli.py").exists():
-        die(f"{src} is not a dynspec-patch checkout (no patcher/cli.py)")
-    dl = Downloader(cache / "wheels", a.index, a.glibc)
-    whl = dl.get([f"sglang=={a.release}"])["sglang"]
-    tree = cache / f"tree-{a.release}"
-    if tree.exists():
-        shutil.rmtree(tree)
-    with zipfile.ZipFile(whl) as z:
-        z.extractall(tree, [n for n in z.namelist() if n.startswith("sglang/")])
-    pkg = tree / "sglang"
-    before = {p.relative_to(pkg).as_posix(): sha256(p) for p in pkg.rglob("*.py")}
-    env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
-    cli = [
-        a.python,
-        "-c",
-        "import sys; sys.argv[0] = 'dynspec-patch'; from patcher.cli import main; main()",
-    ]
-    p = subprocess.run(
-        [
-            *cli,
-            "apply",
-            "--sglang-root",
-            str(pkg),
-            "--threshold",
-            str(a.threshold),
-            "--worker",
-            "both",
-            "--num-steps",
-            "3",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(tree),
-    )
-    if p.returncode not in (0,):
-        die(f"dynspec-patch apply exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    report = json.loads(p.stdout)
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "files" / "sglang").mkdir(parents=True)
-    changed = []
-    for f in report.get("files", []):
-        rel = f["path"]
-        if f.get("sha256_after") and f.get("sha256_after") != f.get("sha256_before"):
-            dest = out / "files" / "sglang" / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(pkg / rel, dest)
-            changed.append(rel)
-    after = {p.relative_to(pkg).as_posix(): sha256(p) for p in pkg.rglob("*.py")}
-    extra = sorted(k for k in after if before.get(k) != after[k] and k not in changed)
-    if extra:
-        die(f"the patch changed files its report does not list: {extra}")
-    report["sglang_dir"] = "<unpacked sglang wheel>"
-    report["built_from"] = {"release": a.release, "wheel": whl.name, "wheel_sha256": sha256(whl)}
-    (out / "apply.json").write_text(json.dumps(report, indent=1) + "\n")
-    # the CLI itself, for running it on the GPU host against the installed tree
-    dst = out / "dynspec-patch"
-    for sub in ("patcher", "transforms", "fixtures"):
-        shutil.copytree(src / sub, dst / sub, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copyfile(src / "pyproject.toml", dst / "pyproject.toml")
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(src), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        rev = ""
-    (dst / "REVISION").write_text((rev or "unknown") + "\n")
-    wheels = Downloader(out / "wheels", a.index, a.glibc)
-    pin = read_pins(KIT / "pins.txt").get("libcst")
-    wheels.get([f"libcst=={pin}" if pin else "libcst>=1.8.3"])
-    log(
-        f"patch part: route={report.get('route')} changed={changed} "
-        f"server_flags={report.get('server_flags')} native={bool(report.get('native'))} "
-        f"({du_b(out)} B, dynspec-patch {rev or '?'})"
-    )
-
-
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -748,25 +656,16 @@ def main():
     b.add_argument("outdir")
     b.add_argument("--pins", default=str(KIT / "pins.txt"))
     b.add_argument("--limit-mib", type=float, default=58.0)
-    p = sub.add_parser("patchpart")
-    p.add_argument("release")
-    p.add_argument("outdir")
-    p.add_argument("--dynspec-src", required=True)
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--threshold", type=int, default=16)
-    for s in (b, p):
-        s.add_argument("--cache", default=common["cache"])
-        s.add_argument("--index", default=common["index"])
-        s.add_argument("--glibc", default=common["glibc"])
+    b.add_argument("--cache", default=common["cache"])
+    b.add_argument("--index", default=common["index"])
+    b.add_argument("--glibc", default=common["glibc"])
     d = sub.add_parser("dists")
     d.add_argument("dir")
     c = sub.add_parser("compare")
     c.add_argument("old")
     c.add_argument("new")
     a = ap.parse_args()
-    {"build": cmd_build, "dists": cmd_dists, "compare": cmd_compare, "patchpart": cmd_patchpart}[
-        a.cmd
-    ](a)
+    {"build": cmd_build, "dists": cmd_dists, "compare": cmd_compare}[a.cmd](a)
 
 
 if __name__ == "__main__":

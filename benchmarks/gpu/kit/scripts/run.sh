@@ -41,14 +41,13 @@ for c in ${CUDA_HOME:-} /usr/local/cuda /usr/local/cuda-13.0; do
   [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && { export CUDA_HOME=$c PATH="$c/bin:$PATH"; break; }
 done
 
-dynspec() {   # this checkout's CLI, with the carried libcst
-  PYTHONPATH="$REPO:$KIT_HOME/deps" PYTHONDONTWRITEBYTECODE=1 "$PY" - "$@" <<'EOF'
+dynspec() {   # this checkout's CLI (its directories under the one import name), carried libcst
+  local src=$KIT_HOME/dynspec-src/dynspec_patch
+  mkdir -p "$src" && for d in patcher transforms fixtures; do ln -sfn "$REPO/$d" "$src/$d"; done
+  PYTHONPATH="$KIT_HOME/dynspec-src:$KIT_HOME/deps" PYTHONDONTWRITEBYTECODE=1 "$PY" - "$@" <<'EOF'
 import sys
 sys.argv[0] = "dynspec-patch"
-try:
-    from dynspec_patch.patcher.cli import main
-except ImportError:
-    from patcher.cli import main
+from dynspec_patch.patcher.cli import main
 main()
 EOF
 }

@@ -19,8 +19,8 @@ from ansible_collections.dynspec.patch.plugins.module_utils.sglang_dynspec_spec 
 # Imported here, not in run(): the strategy loads this class in the ansible-playbook process
 # before it forks a worker per host, so the forks inherit dynspec-patch already imported.
 try:
-    from patcher import fleet
-    from patcher.errors import DynspecError
+    from dynspec_patch.patcher import fleet
+    from dynspec_patch.patcher.errors import DynspecError
 
     MISSING = None
 except ImportError as exc:
