@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "tests" / "remote"))
 
 import remote_harness as harness  # noqa: E402
 
-from patcher import remote_commands as rc  # noqa: E402
-from patcher.remote_commands import HostOptions  # noqa: E402
+from dynspec_patch.patcher import remote_commands as rc  # noqa: E402
+from dynspec_patch.patcher.remote_commands import HostOptions  # noqa: E402
 
 SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1"]

@@ -20,10 +20,10 @@ import libcst
 from rich.console import Console
 from rich.table import Table
 
-from patcher import local
-from patcher.engine import plan_apply
-from patcher.releases import load_pins, release_dir
-from transforms import (
+from dynspec_patch.patcher import local
+from dynspec_patch.patcher.engine import plan_apply
+from dynspec_patch.patcher.releases import load_pins, release_dir
+from dynspec_patch.transforms import (
     AddDisableThresholdArgCommand,
     HookEagleWorkerCommand,
     HookEagleWorkerV2Command,

@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from patcher import local
-from patcher.engine import Plan, plan_apply, plan_revert, plan_status
-from patcher.errors import DynspecError
-from patcher.releases import Pin, copy_release
+from dynspec_patch.patcher import local
+from dynspec_patch.patcher.engine import Plan, plan_apply, plan_revert, plan_status
+from dynspec_patch.patcher.errors import DynspecError
+from dynspec_patch.patcher.releases import Pin, copy_release
 
 CHECK_THRESHOLD = 8  # any value works: the patch itself does not depend on it
 

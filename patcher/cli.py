@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from patcher import checks, local
-from patcher.engine import (
+from dynspec_patch.patcher import checks, local
+from dynspec_patch.patcher.engine import (
     Plan,
     plan_apply,
     plan_revert,
@@ -33,10 +33,10 @@ from patcher.engine import (
     tree_state,
     validate_options,
 )
-from patcher.errors import DynspecError, RefusedError, UsageError
-from patcher.releases import copy_release, find_pin, load_pins
-from transforms.markers import TOOL_VERSION
-from transforms.runtime_probe import probe_directory
+from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
+from dynspec_patch.patcher.releases import copy_release, find_pin, load_pins
+from dynspec_patch.transforms.markers import TOOL_VERSION
+from dynspec_patch.transforms.runtime_probe import probe_directory
 
 EXAMPLES = """Examples:
 
@@ -324,7 +324,7 @@ def _finish(
 
 
 def _remote() -> Any:
-    from patcher import remote_commands  # paramiko is only loaded for --host
+    from dynspec_patch.patcher import remote_commands  # paramiko is only loaded for --host
 
     return remote_commands
 

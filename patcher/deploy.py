@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from patcher.engine import (
+from dynspec_patch.patcher.engine import (
     SNAPSHOT_PATHS,
     THRESHOLD_FLAG,
     FileChange,
@@ -36,11 +36,17 @@ from patcher.engine import (
     plan_status,
     tree_state,
 )
-from patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
-from patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
-from patcher.manifest import Manifest, sha256_or_none
-from patcher.ssh import AgentSession, Connection, ConnectionLost, RemoteError, SshTarget
-from transforms.native_adaptive import CONFIG_FILE_NAME
+from dynspec_patch.patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
+from dynspec_patch.patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
+from dynspec_patch.patcher.manifest import Manifest, sha256_or_none
+from dynspec_patch.patcher.ssh import (
+    AgentSession,
+    Connection,
+    ConnectionLost,
+    RemoteError,
+    SshTarget,
+)
+from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 PENDING_NAME = "restart-pending.json"
 ORIGINALS_DIR = "originals"  # <state>/originals/<path>: the files as they were before apply

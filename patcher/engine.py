@@ -11,16 +11,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from patcher.errors import UsageError
-from patcher.manifest import FileRecord, Manifest, sha256_or_none
-from transforms import (
+from dynspec_patch.patcher.errors import UsageError
+from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
+from dynspec_patch.transforms import (
     AddDisableThresholdArgCommand,
     HookEagleWorkerCommand,
     HookEagleWorkerV2Command,
     InstallRuntimeModuleCommand,
 )
-from transforms.markers import TOOL_VERSION, Patched, Unknown, Unpatched
-from transforms.native_adaptive import (
+from dynspec_patch.transforms.markers import TOOL_VERSION, Patched, Unknown, Unpatched
+from dynspec_patch.transforms.native_adaptive import (
     CONFIG_FILE_NAME,
     NativeConfig,
     adaptive_unsupported_reason,

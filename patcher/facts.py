@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from patcher.engine import SNAPSHOT_PATHS, release_version
-from patcher.errors import DynspecError
-from patcher.manifest import Manifest
+from dynspec_patch.patcher.engine import SNAPSHOT_PATHS, release_version
+from dynspec_patch.patcher.errors import DynspecError
+from dynspec_patch.patcher.manifest import Manifest
 
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 REDACT_FLAGS = ("--api-key", "--admin-api-key", "--hf-token")

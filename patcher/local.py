@@ -31,11 +31,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher import remote_agent
-from patcher.engine import SNAPSHOT_PATHS, Plan, next_manifest
-from patcher.errors import DynspecError, RefusedError, UsageError
-from patcher.manifest import MANIFEST_NAME, STATE_DIR_NAME, FileRecord, Manifest, sha256_or_none
-from transforms.native_adaptive import CONFIG_FILE_NAME
+from dynspec_patch.patcher import remote_agent
+from dynspec_patch.patcher.engine import SNAPSHOT_PATHS, Plan, next_manifest
+from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
+from dynspec_patch.patcher.manifest import (
+    MANIFEST_NAME,
+    STATE_DIR_NAME,
+    FileRecord,
+    Manifest,
+    sha256_or_none,
+)
+from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 LOCK_NAME = "lock"
 JOURNAL_NAME = "journal.json"

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from transforms.markers import TOOL_VERSION
+from dynspec_patch.transforms.markers import TOOL_VERSION
 
 STATE_DIR_NAME = ".dynspec-patch"
 MANIFEST_NAME = "manifest.json"

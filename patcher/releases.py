@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from patcher.errors import ReleaseFetchError, UsageError
+from dynspec_patch.patcher.errors import ReleaseFetchError, UsageError
 
 # The newest wheels are cp311 platform wheels; ask pip for exactly those whatever runs us.
 _PIP_PLATFORM_ARGS = (
@@ -59,7 +59,7 @@ class Pin:
 
 
 def default_pins_path() -> Path:
-    return Path(str(resources.files("fixtures") / "pins.toml"))
+    return Path(str(resources.files("dynspec_patch.fixtures") / "pins.toml"))
 
 
 def load_pins(path: Path | None = None) -> list[Pin]:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from patcher import deploy
-from patcher.deploy import Faults
-from patcher.ssh import resolve_target
+from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher.deploy import Faults
+from dynspec_patch.patcher.ssh import resolve_target
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any
 
 import paramiko
 
-from patcher.errors import DynspecError, RefusedError, UsageError
+from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
 
 
 class ConnectError(DynspecError):
@@ -602,7 +602,7 @@ def _parse_http(data: bytes) -> HttpResponse:
 
 
 def agent_source() -> bytes:
-    return (resources.files("patcher") / "remote_agent.py").read_bytes()
+    return (resources.files("dynspec_patch.patcher") / "remote_agent.py").read_bytes()
 
 
 BOOTSTRAP = (

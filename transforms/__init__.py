@@ -3,9 +3,9 @@
 Nothing here knows about hosts, SSH or the terminal.
 """
 
-from transforms.eagle_hooks import HookEagleWorkerCommand, HookEagleWorkerV2Command
-from transforms.runtime_install import InstallRuntimeModuleCommand
-from transforms.server_args_threshold import AddDisableThresholdArgCommand
+from dynspec_patch.transforms.eagle_hooks import HookEagleWorkerCommand, HookEagleWorkerV2Command
+from dynspec_patch.transforms.runtime_install import InstallRuntimeModuleCommand
+from dynspec_patch.transforms.server_args_threshold import AddDisableThresholdArgCommand
 
 # In write order: the runtime module exists before any hook imports it.
 CODEMODS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from transforms.statements import (
+from dynspec_patch.transforms.statements import (
     AnchorMissing,
     Insertion,
     MarkedInsertionCodemod,

@@ -7,7 +7,14 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from transforms.markers import MARKER_TEXT, TOOL_VERSION, FileState, Patched, Unknown, Unpatched
+from dynspec_patch.transforms.markers import (
+    MARKER_TEXT,
+    TOOL_VERSION,
+    FileState,
+    Patched,
+    Unknown,
+    Unpatched,
+)
 
 _HEADER_RE = re.compile(
     rf"# {MARKER_TEXT} (?P<version>\d[\w.+-]*) sha256=(?P<sha>[0-9a-f]{{64}})"
@@ -16,7 +23,7 @@ _HEADER_RE = re.compile(
 
 
 def runtime_source() -> str:
-    return (resources.files("transforms.runtime") / "dynspec_fallback.py").read_text()
+    return (resources.files("dynspec_patch.transforms.runtime") / "dynspec_fallback.py").read_text()
 
 
 def _render(body: str, version: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transforms.runtime.dynspec_fallback import (
+from dynspec_patch.transforms.runtime.dynspec_fallback import (
     NEEDS_BY_VARIANT,
     Need,
     resolve_needs,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from transforms.statements import (
+from dynspec_patch.transforms.statements import (
     AnchorMissing,
     Block,
     Insertion,

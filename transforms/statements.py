@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from transforms.markers import (
+from dynspec_patch.transforms.markers import (
     MARKER_RE,
     TOOL_VERSION,
     FileState,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from patcher.engine import SNAPSHOT_PATHS
-from patcher.releases import Pin, release_dir
+from dynspec_patch.patcher.engine import SNAPSHOT_PATHS
+from dynspec_patch.patcher.releases import Pin, release_dir
 
 
 def copy_targets(pin: Pin, dest: Path) -> Path:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from patcher import local
-from patcher.cli import run
-from patcher.engine import plan_apply
-from patcher.releases import fetch_wheel, find_pin, release_dir
+from dynspec_patch.patcher import local
+from dynspec_patch.patcher.cli import run
+from dynspec_patch.patcher.engine import plan_apply
+from dynspec_patch.patcher.releases import fetch_wheel, find_pin, release_dir
 
 V1 = "srt/speculative/eagle_worker.py"
 V2 = "srt/speculative/eagle_worker_v2.py"
@@ -27,7 +27,7 @@ UNREACHABLE = "127.0.0.1:1"  # if validation ever let a command through, it fail
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "patcher.cli", *argv],
+        [sys.executable, "-m", "dynspec_patch.patcher.cli", *argv],
         capture_output=True,
         text=True,
         check=False,
@@ -204,7 +204,7 @@ def test_json_prints_one_object_on_every_exit(argv, code):
 
 
 def test_version_help_examples_and_completion():
-    from transforms.markers import TOOL_VERSION
+    from dynspec_patch.transforms.markers import TOOL_VERSION
 
     assert _cli("--version").stdout.strip() == f"dynspec-patch {TOOL_VERSION}"
     short, long = _cli("-h"), _cli("--help")
@@ -269,7 +269,7 @@ def test_fetch_downloads_from_pypi_when_pip_is_absent(tmp_path, monkeypatch, cap
         monkeypatch.setenv("DYNSPEC_CACHE", str(tmp_path / "cache"))
         monkeypatch.delenv("DYNSPEC_OFFLINE", raising=False)
         monkeypatch.setenv("DYNSPEC_PYPI_URL", f"http://127.0.0.1:{server.server_address[1]}")
-        monkeypatch.setattr("patcher.releases._pip_available", lambda: False)
+        monkeypatch.setattr("dynspec_patch.patcher.releases._pip_available", lambda: False)
         assert run(["fetch", pin.version, "--dest", str(tmp_path / "out")]) == 0
         target = Path(capsys.readouterr().out.strip())
         assert (target / "srt" / "server_args.py").exists()

@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 
-from transforms import (
+from dynspec_patch.transforms import (
     AddDisableThresholdArgCommand,
     HookEagleWorkerCommand,
     HookEagleWorkerV2Command,
     InstallRuntimeModuleCommand,
 )
-from transforms.markers import Patched, Unknown, Unpatched
+from dynspec_patch.transforms.markers import Patched, Unknown, Unpatched
 
 
 def src(text: str) -> str:

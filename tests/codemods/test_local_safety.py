@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from patcher import local
-from patcher.cli import run
-from patcher.manifest import Manifest
-from patcher.releases import find_pin
+from dynspec_patch.patcher import local
+from dynspec_patch.patcher.cli import run
+from dynspec_patch.patcher.manifest import Manifest
+from dynspec_patch.patcher.releases import find_pin
 
 SERVER_ARGS = "srt/server_args.py"
 RUNTIME = "srt/speculative/dynspec_fallback.py"
@@ -32,7 +32,7 @@ V2 = "srt/speculative/eagle_worker_v2.py"
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "patcher.cli", *argv],
+        [sys.executable, "-m", "dynspec_patch.patcher.cli", *argv],
         capture_output=True,
         text=True,
         check=False,

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from patcher import local
-from patcher.cli import run
-from patcher.engine import FileChange, Plan
-from patcher.errors import RefusedError, ReleaseFetchError
-from patcher.releases import Pin, fetch_wheel, find_pin, release_dir
-from transforms.native_adaptive import native_config
+from dynspec_patch.patcher import local
+from dynspec_patch.patcher.cli import run
+from dynspec_patch.patcher.engine import FileChange, Plan
+from dynspec_patch.patcher.errors import RefusedError, ReleaseFetchError
+from dynspec_patch.patcher.releases import Pin, fetch_wheel, find_pin, release_dir
+from dynspec_patch.transforms.native_adaptive import native_config
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_missing_worker_file_is_refused(scratch, capsys):
 
 def test_console_script_exit_codes(scratch, tmp_path):
     package = scratch(find_pin("0.4.3.post4"))
-    cmd = [sys.executable, "-m", "patcher.cli"]
+    cmd = [sys.executable, "-m", "dynspec_patch.patcher.cli"]
     refused = subprocess.run(
         [*cmd, "apply", "--sglang-root", str(package)], capture_output=True, text=True, check=False
     )
@@ -166,7 +166,7 @@ def test_probe_command_exit_codes(scratch, capsys):
     ],
 )
 def test_host_spec_is_split_into_user_host_and_port(spec, host, port, user):
-    from patcher.cli import _host_options
+    from dynspec_patch.patcher.cli import _host_options
 
     options = _host_options(spec, None, None, None, False, 15.0)
     assert (options.host, options.port, options.user) == (host, port, user)
@@ -178,7 +178,7 @@ def test_bad_host_spec_is_a_usage_error(capsys):
 
 
 def test_prepare_for_verify_without_page_size_is_unsupported():
-    from patcher.engine import plan_apply
+    from dynspec_patch.patcher.engine import plan_apply
 
     snapshot = local.read_snapshot(release_dir(find_pin("0.4.6.post5")))
     utils = "srt/speculative/eagle_utils.py"

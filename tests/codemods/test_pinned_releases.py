@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from patcher.cli import run
-from patcher.releases import Pin, load_pins, release_dir
-from transforms.markers import TOOL_VERSION, marker_comment
+from dynspec_patch.patcher.cli import run
+from dynspec_patch.patcher.releases import Pin, load_pins, release_dir
+from dynspec_patch.transforms.markers import TOOL_VERSION, marker_comment
 
 PINS = load_pins()
 PATCHABLE = [pin for pin in PINS if pin.route == "patch"]

@@ -67,7 +67,7 @@ class Host:
         return self.package.parent / ".dynspec-patch"
 
     def options(self, user: str = OP_USER, **kw: object):
-        from patcher.remote_commands import HostOptions
+        from dynspec_patch.patcher.remote_commands import HostOptions
 
         return HostOptions(host="127.0.0.1", port=self.sshd.port, user=user,
                            identity_file=str(self.sshd.client_key),

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.releases import fetch_wheel, find_pin
+from dynspec_patch.patcher.releases import fetch_wheel, find_pin
 
 FAKE_DIR = Path(__file__).parent / "fake"
 _TAG = secrets.token_hex(3)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from remote_harness import OP_USER, PLAIN_USER, tree_bytes
 
-from patcher import remote_commands as rc
-from patcher.errors import RefusedError, RollbackError, UsageError
+from dynspec_patch.patcher import remote_commands as rc
+from dynspec_patch.patcher.errors import RefusedError, RollbackError, UsageError
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")
@@ -162,8 +162,8 @@ def test_revert_refuses_a_file_edited_after_apply_unless_forced(make_host):
 
 
 def test_concurrent_apply_is_refused(make_host):
-    from patcher import deploy
-    from patcher.ssh import resolve_target
+    from dynspec_patch.patcher import deploy
+    from dynspec_patch.patcher.ssh import resolve_target
 
     host = make_host("0.5.10.post1")
     host.server(*SPEC)
@@ -171,7 +171,7 @@ def test_concurrent_apply_is_refused(make_host):
     target = resolve_target(o.host, port=o.port, user=o.user, identity_file=o.identity_file,
                             known_hosts=o.known_hosts, ssh_config=o.ssh_config)
     with deploy.session(target, accept_new_host_key=False) as first:
-        from patcher.facts import gather
+        from dynspec_patch.patcher.facts import gather
 
         gather(first.agent, pid=None, port=None, lock=True)
         before = tree_bytes(host.package)

@@ -7,7 +7,7 @@ import json
 import pytest
 from remote_harness import OP_USER, tree_bytes
 
-from patcher import cli
+from dynspec_patch.patcher import cli
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from remote_harness import tree_bytes
 
-from patcher import remote_commands as rc
-from patcher.deploy import Faults
-from patcher.errors import DynspecError
-from patcher.manifest import sha256_or_none
+from dynspec_patch.patcher import remote_commands as rc
+from dynspec_patch.patcher.deploy import Faults
+from dynspec_patch.patcher.errors import DynspecError
+from dynspec_patch.patcher.manifest import sha256_or_none
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from remote_harness import tree_bytes
 
-from patcher import remote_commands as rc
-from patcher.errors import RefusedError
-from patcher.releases import load_pins
+from dynspec_patch.patcher import remote_commands as rc
+from dynspec_patch.patcher.errors import RefusedError
+from dynspec_patch.patcher.releases import load_pins
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")
@@ -60,7 +60,7 @@ def test_unsupported_release_refusal_is_exit_3_through_the_cli(make_host):
     host = make_host(unsupported[0].version)
     host.server(*SPEC)
     out = _apply(host)
-    from patcher import cli
+    from dynspec_patch.patcher import cli
 
     with pytest.raises(RefusedError):
         cli._finish(out.pop("plan"), as_json=True)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.deploy import edit_argv, proof_holds
-from patcher.facts import (
+from dynspec_patch.patcher.deploy import edit_argv, proof_holds
+from dynspec_patch.patcher.facts import (
     EffectiveArgs,
     decide_live_worker,
     effective_from_argv,
     parse_server_args_line,
     version_key,
 )
-from patcher.remote_agent import is_server_argv
+from dynspec_patch.patcher.remote_agent import is_server_argv
 
 BASE = ["/v/bin/python", "-m", "sglang.launch_server", "--model-path", "m",
         "--speculative-algorithm", "EAGLE"]

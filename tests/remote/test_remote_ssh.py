@@ -8,9 +8,9 @@ import stat
 import pytest
 from remote_harness import OP_USER, PLAIN_USER, tree_bytes
 
-from patcher import remote_commands as rc
-from patcher.errors import RollbackError, UsageError
-from patcher.ssh import Connection, resolve_target
+from dynspec_patch.patcher import remote_commands as rc
+from dynspec_patch.patcher.errors import RollbackError, UsageError
+from dynspec_patch.patcher.ssh import Connection, resolve_target
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from remote_harness import OP_USER
 
-from patcher import ssh as ssh_module
-from patcher.errors import DynspecError
-from patcher.ssh import Connection, resolve_target
+from dynspec_patch.patcher import ssh as ssh_module
+from dynspec_patch.patcher.errors import DynspecError
+from dynspec_patch.patcher.ssh import Connection, resolve_target
 
 REACHABLE = ("direct", "first-wins", "box.loop", "matched", "included", "tokens", "proxied",
              "jumped", "via-agent", "certified", "hashed")

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _fresh_adapters():
     """Every test resolves its adapter anew (production resolves once per process)."""
-    from transforms.runtime import dynspec_fallback
+    from dynspec_patch.transforms.runtime import dynspec_fallback
 
     dynspec_fallback.reset_for_tests()
     yield

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from patcher.releases import find_pin, release_dir
-from transforms.runtime_probe import (
+from dynspec_patch.patcher.releases import find_pin, release_dir
+from dynspec_patch.transforms.runtime_probe import (
     MODEL_RUNNER,
     SCHEDULE_BATCH,
     TARGET_WORKER,

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from transforms.runtime.dynspec_fallback import (
+from dynspec_patch.transforms.runtime.dynspec_fallback import (
     DEFAULT_MIN_DWELL_STEPS,
     DynSpecController,
     default_resume_below,

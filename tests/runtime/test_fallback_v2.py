@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
 from tests.runtime.releases import V2_RELEASES
-from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from transforms.runtime.dynspec_fallback import _has_grammar
+from dynspec_patch.transforms.runtime.dynspec_fallback import _has_grammar
 
 
 def test_flag_is_used_where_the_batch_has_one():

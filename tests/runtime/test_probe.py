@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from patcher.releases import Pin, find_pin, load_pins, release_dir
-from transforms.runtime_probe import probe_release
+from dynspec_patch.patcher.releases import Pin, find_pin, load_pins, release_dir
+from dynspec_patch.transforms.runtime_probe import probe_release
 
 PATCHABLE = [pin for pin in load_pins() if pin.route == "patch"]
 
@@ -132,7 +132,7 @@ def test_empty_tree_is_not_ok_and_serialises() -> None:
 
 
 def test_probe_directory_reads_an_unpacked_tree() -> None:
-    from transforms.runtime_probe import probe_directory
+    from dynspec_patch.transforms.runtime_probe import probe_directory
 
     root = release_dir(find_pin("0.5.13.post1"))
     assert probe_directory(root).ok

@@ -2,8 +2,8 @@
 
 import pytest
 
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
 from tests.runtime.releases import V1_RELEASES, V2_RELEASES
-from transforms.runtime import dynspec_fallback as dyn
 
 pytestmark = pytest.mark.torch
 
@@ -13,9 +13,9 @@ pytestmark = pytest.mark.torch
     [(v, "v1") for v in V1_RELEASES] + [(v, "v2") for v in V2_RELEASES],
 )
 def test_live_adapter_and_static_probe_pick_the_same_names(version, variant):
-    from patcher.releases import find_pin, release_dir
+    from dynspec_patch.patcher.releases import find_pin, release_dir
+    from dynspec_patch.transforms.runtime_probe import probe_directory, resolve_static
     from tests.runtime.standins import World, read_shape
-    from transforms.runtime_probe import probe_directory, resolve_static
 
     root = release_dir(find_pin(version))
     world = World(read_shape(version, variant))

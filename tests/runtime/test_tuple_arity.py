@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transforms.runtime.dynspec_fallback import tuple_return_arity
+from dynspec_patch.transforms.runtime.dynspec_fallback import tuple_return_arity
 
 ENTRY_0_4_5_SHAPE = """
 def forward_batch_speculative_generation(self, batch):

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from patcher.releases import fetch_wheel, find_pin
+from dynspec_patch.patcher.releases import fetch_wheel, find_pin
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -75,7 +75,7 @@ def patch_tree(version: str, dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root, members=[n for n in archive.namelist()
                                           if n.startswith("sglang/")])
-    cmd = [sys.executable, "-m", "patcher.cli", "apply",
+    cmd = [sys.executable, "-m", "dynspec_patch.patcher.cli", "apply",
            "--sglang-root", str(root / "sglang"), "--worker", "both"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
