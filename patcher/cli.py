@@ -183,7 +183,7 @@ def _check_scope(ctx: typer.Context, host: str | None, sglang_root: Path | None)
             where = "--host" if host is None else "--sglang-root (a host's is read from its server)"
             raise UsageError(f"{flag} applies only with {where}")
     identity = ctx.params.get("identity_file")
-    if identity is not None and not os.access(identity, os.R_OK):
+    if identity is not None and not (Path(identity).is_file() and os.access(identity, os.R_OK)):
         raise UsageError(f"--identity-file {identity}: not a readable file")
     for name in ("connect_timeout", "health_timeout"):
         value = ctx.params.get(name)

@@ -14,8 +14,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${DYNSPEC_VENV:-.venv}"
 pip_opts=(--quiet --retries 5 --disable-pip-version-check)
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
-# torch only for the runtime's CPU tests: always the 2.13.0 CPU wheel (an unpinned one is CUDA).
-"$venv/bin/pip" install "${pip_opts[@]}" -e '.[test]' torch==2.13.0
+# torch only for the runtime's CPU tests: exactly the CPU build 2.13.0+cpu, whatever pip's local
+# configuration says (PIP_CONFIG_FILE=/dev/null and --isolated ignore every config file and PIP_*
+# variable). It comes from $DYNSPEC_TORCH_WHEELS (default /opt/wheels, where this machine kind
+# keeps it); without that file pip stops here instead of downloading a CUDA build of several GB.
+PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" --isolated install "${pip_opts[@]}" --no-deps \
+    --no-index --find-links "${DYNSPEC_TORCH_WHEELS:-/opt/wheels}" "torch==2.13.0+cpu"
+"$venv/bin/pip" install "${pip_opts[@]}" -e '.[test]' "torch==2.13.0+cpu"  # + torch's own deps
 
 echo "== lint"
 "$venv/bin/ruff" check .

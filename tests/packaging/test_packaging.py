@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -16,10 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     """The wheel built from this checkout, offline (no build isolation; setuptools: test dep)."""
-    out = tmp_path_factory.mktemp("wheel")
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout.split()
+    for name in listed:  # a clean copy: a stale build/ in the checkout must not leak in
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(REPO)],
+         "--wheel-dir", str(out), str(source)],
         check=True, capture_output=True,
     )
     (built,) = out.glob("dynspec_patch-*.whl")
