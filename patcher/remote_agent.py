@@ -499,6 +499,12 @@ def take_lock(state):
             raise
         raise Refused("%s is on a read-only filesystem: nothing was written"
                       % os.path.dirname(state)) from None
+    _lock_fd = hold_flock(fd, "another dynspec-patch run holds %s" % path)
+
+
+def hold_flock(fd, busy):
+    """Take the exclusive lock on ``fd`` without waiting and write who holds it; a lock held
+    elsewhere closes ``fd`` and raises Busy with ``busy`` and the holder's line."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -506,14 +512,12 @@ def take_lock(state):
             raise
         holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
         os.close(fd)
-        raise Busy(
-            "another dynspec-patch run holds %s (%s)" % (path, holder or "unknown holder")
-        ) from None
+        raise Busy("%s (%s)" % (busy, holder or "unknown holder")) from None
     os.ftruncate(fd, 0)
     os.write(fd, ("pid %d user %s since %s\n" % (
         os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
-    _lock_fd = fd
+    return fd
 
 
 def lock_holder(state):
@@ -1167,20 +1171,8 @@ def lock_container(cid):
         return
     os.makedirs(container_lock_dir(cid), mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(container_lock_dir(cid), "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
-        os.close(fd)
-        raise Busy("another dynspec-patch run works on container %s (%s)"
-                   % (cid[:12], holder or "unknown holder")) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, ("pid %d user %s since %s\n" % (
-        os.getpid(), os.environ.get("SUDO_USER") or getpass.getuser(),
-        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
-    _container_lock_fd = fd
+    _container_lock_fd = hold_flock(
+        fd, "another dynspec-patch run works on container %s" % cid[:12])
 
 
 def same_root(pid):

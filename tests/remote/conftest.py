@@ -142,6 +142,16 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 
+@pytest.fixture
+def box(sshd: Sshd, tmp_path: Path, monkeypatch) -> str:
+    """``gpu-box``: an ssh_config alias for the loopback sshd, found via DYNSPEC_SSH_CONFIG."""
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host gpu-box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {OP_USER}\n"
+                   f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {sshd.known_hosts}\n")
+    monkeypatch.setenv("DYNSPEC_SSH_CONFIG", str(cfg))
+    return "gpu-box"
+
+
 # --------------------------------------------------------------------------- Docker containers
 
 

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from remote_harness import OP_USER, tree_bytes
 
 from dynspec_patch.patcher import cli
 
 SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1")
-
-
-@pytest.fixture
-def box(sshd, tmp_path, monkeypatch):
-    cfg = tmp_path / "ssh_config"
-    cfg.write_text(f"Host gpu-box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {OP_USER}\n"
-                   f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {sshd.known_hosts}\n")
-    monkeypatch.setenv("DYNSPEC_SSH_CONFIG", str(cfg))
-    return "gpu-box"
 
 
 def run_json(capsys, argv):
