@@ -381,6 +381,20 @@ def restart_reasons(facts: HostFacts, server: ServerProcess | None, argv: list[s
     return reasons
 
 
+def _preview(result: dict[str, Any], plan: Plan, facts: HostFacts,
+             server: ServerProcess | None, argv: list[str] | None, expect: Mapping[str, Any],
+             *, stale: str, no_restart: bool, restart_cmd: str | None) -> dict[str, Any]:
+    """A dry run's (or a refused plan's) answer: the command a real run would start and, unless
+    refused, what it would do about the restart."""
+    if argv is not None:
+        result["would_run"] = redact_argv(argv)
+    if not plan.refused:
+        result["restart"] = _restart_preview(
+            facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
+            no_restart=no_restart, restart_cmd=restart_cmd)
+    return result
+
+
 def _restart_preview(facts: HostFacts, server: ServerProcess | None, argv: list[str] | None,
                      expect: Mapping[str, Any], *, changed: bool, stale: str,
                      no_restart: bool, restart_cmd: str | None) -> str:
@@ -477,13 +491,8 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
     expect = expectations(plan, threshold, config_path)
     stale = "the running server does not report " + json.dumps(expect)
     if plan.refused or dry_run:
-        if argv is not None:
-            result["would_run"] = redact_argv(argv)
-        if not plan.refused:
-            result["restart"] = _restart_preview(
-                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
-                no_restart=no_restart, restart_cmd=restart_cmd)
-        return result
+        return _preview(result, plan, facts, server, argv, expect, stale=stale,
+                        no_restart=no_restart, restart_cmd=restart_cmd)
     if server is not None and server.container is not None and argv is not None:
         argv = container.restart_argv(server.container, server.argv, argv,
                                       restart_cmd=restart_cmd, no_restart=no_restart,
@@ -567,13 +576,8 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run, "plan": plan}
     stale = "the running server still runs the patch"
     if plan.refused or dry_run:
-        if argv is not None:
-            result["would_run"] = redact_argv(argv)
-        if not plan.refused:
-            result["restart"] = _restart_preview(
-                facts, server, argv, expect, changed=bool(plan.changes), stale=stale,
-                no_restart=no_restart, restart_cmd=restart_cmd)
-        return result
+        return _preview(result, plan, facts, server, argv, expect, stale=stale,
+                        no_restart=no_restart, restart_cmd=restart_cmd)
     precheck_writes(facts, server, restart=not no_restart, restart_cmd=restart_cmd)
     changed = bool(plan.changes)
     if changed:

@@ -67,24 +67,19 @@ def ratio_table(results: dict, pairs: list[tuple[str, str, str]]) -> str:
 
 
 def breakdown(log_lines: str) -> str:
-    """Last profile line per (call, server, batch size): mean GPU / host ms per phase."""
-    rows: dict[tuple[str, str, int], str] = {}
-    current = ""
+    """Last profile line per (server, batch size): mean GPU / host ms per phase."""
+    last: dict[tuple[str, int], re.Match[str]] = {}
+    server = ""
     for line in log_lines.splitlines():
         if line.startswith("=== "):
-            current = line[4:]
-            continue
-        match = PROFILE.search(line)
-        if match:
-            bs = int(match.group(1))
-            rows[(current, "", bs)] = line
+            server = line[4:]
+        elif match := PROFILE.search(line):
+            last[(server, int(match.group(1)))] = match
     out = [
         "| server | bs | steps | phases (GPU ms / host ms) | total GPU / host ms |",
         "|---|---|---|---|---|",
     ]
-    for (server, _, bs), line in rows.items():
-        m = PROFILE.search(line)
-        assert m is not None
+    for (server, bs), m in last.items():
         phases = m.group(3).replace(" end=", " tail=")
         out.append(f"| {server} | {bs} | {m.group(2)} | {phases} | {m.group(4)} / {m.group(5)} |")
     return "\n".join(out)

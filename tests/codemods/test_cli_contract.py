@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import shlex
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -19,20 +16,11 @@ from dynspec_patch.patcher import local
 from dynspec_patch.patcher.cli import run
 from dynspec_patch.patcher.engine import plan_apply
 from dynspec_patch.patcher.releases import fetch_wheel, find_pin, release_dir
+from tests.codemods.cli_process import run_cli
 
 V1 = "srt/speculative/eagle_worker.py"
 V2 = "srt/speculative/eagle_worker_v2.py"
 UNREACHABLE = "127.0.0.1:1"  # if validation ever let a command through, it fails locally
-
-
-def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynspec_patch.patcher.cli", *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _sources(package: Path) -> dict[str, bytes]:
@@ -137,7 +125,7 @@ def test_native_route_refuses_servers_where_adaptive_switches_itself_off(
 def test_bad_options_are_usage_errors_before_anything_is_read(scratch, argv, message):
     package = scratch(find_pin("0.5.10.post1"))
     before = _sources(package)
-    done = _cli(*argv, "--sglang-root", str(package))
+    done = run_cli(*argv, "--sglang-root", str(package))
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and message in done.stderr
     assert _sources(package) == before and not local.state_dir(package).exists()
@@ -156,7 +144,7 @@ def test_bad_options_are_usage_errors_before_anything_is_read(scratch, argv, mes
     ],
 )
 def test_host_options_are_checked_before_connecting(argv, message):
-    done = _cli(*argv)
+    done = run_cli(*argv)
     assert done.returncode == 2 and message in done.stderr
     assert "cannot reach" not in done.stderr and "cannot connect" not in done.stderr
 
@@ -167,11 +155,11 @@ def test_host_options_are_checked_before_connecting(argv, message):
 def test_an_os_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    done = _cli("fetch", "0.4.6.post5", "--dest", str(blocker))
+    done = run_cli("fetch", "0.4.6.post5", "--dest", str(blocker))
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert str(blocker) in done.stderr
-    debug = _cli("fetch", "0.4.6.post5", "--dest", str(blocker), "--debug")
+    debug = run_cli("fetch", "0.4.6.post5", "--dest", str(blocker), "--debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
@@ -194,7 +182,7 @@ def test_json_prints_one_object_on_every_exit(argv, code):
         "{v0434}": release_dir(find_pin("0.4.3.post4")),
         "{v0510}": release_dir(find_pin("0.5.10.post1")),
     }
-    done = _cli(*[str(trees.get(a, a)) for a in argv], "--json")
+    done = run_cli(*[str(trees.get(a, a)) for a in argv], "--json")
     assert done.returncode == code, done.stderr
     data = json.loads(done.stdout)  # exactly one object, nothing else on stdout
     assert isinstance(data, dict)
@@ -206,26 +194,26 @@ def test_json_prints_one_object_on_every_exit(argv, code):
 def test_version_help_examples_and_completion():
     from dynspec_patch.transforms.markers import TOOL_VERSION
 
-    assert _cli("--version").stdout.strip() == f"dynspec-patch {TOOL_VERSION}"
-    short, long = _cli("-h"), _cli("--help")
+    assert run_cli("--version").stdout.strip() == f"dynspec-patch {TOOL_VERSION}"
+    short, long = run_cli("-h"), run_cli("--help")
     assert short.returncode == 0 and short.stdout == long.stdout
     assert "Examples:" in short.stdout and "dynspec-patch apply --host" in short.stdout
     for command in ("apply", "revert", "status", "detect-path", "fetch", "probe", "check-pins"):
-        assert "Examples:" in _cli(command, "-h").stdout, command
-    script = _cli("--show-completion", "bash")
+        assert "Examples:" in run_cli(command, "-h").stdout, command
+    script = run_cli("--show-completion", "bash")
     assert script.returncode == 0 and "_DYNSPEC_PATCH_COMPLETE" in script.stdout
 
 
 def test_status_and_detect_path_read_as_tables_with_a_pasteable_command(scratch):
     package = scratch(find_pin("0.5.10.post1"))
-    detect = _cli("detect-path", "--sglang-root", str(package))
+    detect = run_cli("detect-path", "--sglang-root", str(package))
     assert detect.returncode == 0
     line = next(x for x in detect.stdout.splitlines() if x.startswith("recommended"))
     command = shlex.split(line.removeprefix("recommended:"))
     assert command[:2] == ["dynspec-patch", "apply"]
     assert run(command[1:]) == 0  # it can be pasted as printed
     assert run(["apply", "--sglang-root", str(package)]) == 0
-    shown = _cli("status", "--sglang-root", str(package)).stdout
+    shown = run_cli("status", "--sglang-root", str(package)).stdout
     assert "tree state" in shown and "patched" in shown
     assert " UTC" in shown and "created" in shown
     for python_repr in ("{'", "['", "None", "True", "False"):
@@ -285,7 +273,7 @@ def test_fetch_downloads_from_pypi_when_pip_is_absent(tmp_path, monkeypatch, cap
 
 def test_check_pins_reports_progress_on_stderr_but_not_with_json(scratch):
     package = scratch(find_pin("0.5.10.post1"))
-    shown = _cli("check-pins", "--sglang-root", str(package))
+    shown = run_cli("check-pins", "--sglang-root", str(package))
     assert shown.returncode == 0 and f"[1/1] {package}" in shown.stderr
-    quiet = _cli("check-pins", "--sglang-root", str(package), "--json")
+    quiet = run_cli("check-pins", "--sglang-root", str(package), "--json")
     assert quiet.returncode == 0 and quiet.stderr == "" and json.loads(quiet.stdout)["rows"]

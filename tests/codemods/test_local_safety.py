@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,21 +21,12 @@ from dynspec_patch.patcher import local
 from dynspec_patch.patcher.cli import run
 from dynspec_patch.patcher.manifest import Manifest
 from dynspec_patch.patcher.releases import find_pin
+from tests.codemods.cli_process import run_cli
 
 SERVER_ARGS = "srt/server_args.py"
 RUNTIME = "srt/speculative/dynspec_fallback.py"
 V1 = "srt/speculative/eagle_worker.py"
 V2 = "srt/speculative/eagle_worker_v2.py"
-
-
-def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynspec_patch.patcher.cli", *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _json_run(capsys, *argv: str) -> tuple[int, dict]:
@@ -74,7 +63,7 @@ def test_a_second_run_is_refused_while_one_holds_the_lock(release, capsys):
 
 def test_kill_between_two_renames_is_finished_by_the_next_run(release, capsys):
     original = _sources(release)
-    killed = _cli(
+    killed = run_cli(
         "apply", "--sglang-root", str(release), env={"DYNSPEC_TEST_FAULT": "die-mid-commit"}
     )
     assert killed.returncode == 9
@@ -242,7 +231,7 @@ def test_a_byte_order_mark_is_refused_in_one_line(release):
     target.write_bytes(b"\xef\xbb\xbf" + target.read_bytes())
     before = _sources(release)
     for argv in (["apply"], ["detect-path"], ["status"], ["probe"]):
-        done = _cli(*argv, "--sglang-root", str(release))
+        done = run_cli(*argv, "--sglang-root", str(release))
         assert "Traceback" not in done.stderr, argv
         if argv == ["apply"]:
             assert done.returncode == 3

@@ -839,6 +839,7 @@ class StepProfiler:
         self._log = log
         self._pending: list[tuple[int, list[tuple[str, Any, float]]]] = []
         self._current: list[tuple[str, Any, float]] | None = None
+        self._device: Any = None
         self._bs = 0
         self._sums: dict[int, dict[str, list[float]]] = {}
         self._steps = 0
