@@ -27,7 +27,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dynspec_patch.patcher import engine
+from dynspec_patch import transforms
+from dynspec_patch.patcher import engine, manifest
 from dynspec_patch.patcher.engine import FileChange, Plan, Snapshot
 from dynspec_patch.patcher.manifest import FileRecord, sha256_or_none
 from dynspec_patch.patcher.releases import cache_dir
@@ -36,11 +37,18 @@ from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 @functools.cache
 def _code_digest() -> str:
+    """sha256 of the code that plans, as this process runs it: ``patcher/engine.py``,
+    ``patcher/manifest.py`` and every module of ``transforms``, found from the imported modules
+    themselves (never from module names spelled as strings). Files are named relative to the
+    package, so two installs of the same code share their plans."""
+    transforms_dir = Path(str(resources.files(transforms)))
+    named = [("patcher/engine.py", Path(engine.__file__)),
+             ("patcher/manifest.py", Path(manifest.__file__)),
+             *((f"transforms/{path.relative_to(transforms_dir).as_posix()}", path)
+               for path in sorted(transforms_dir.glob("**/*.py")))]
     digest = hashlib.sha256()
-    for package, pattern in (("patcher", "engine.py"), ("patcher", "manifest.py"),
-                             ("transforms", "**/*.py")):
-        for path in sorted(Path(str(resources.files(package))).glob(pattern)):
-            digest.update(path.as_posix().encode() + b"\0" + path.read_bytes())
+    for name, path in named:
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

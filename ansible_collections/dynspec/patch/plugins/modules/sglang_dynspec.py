@@ -32,7 +32,9 @@ description:
     and OpenSSH's C(ssh) client there. The host needs only a python3.
 version_added: "0.1.0"
 author:
-  - dynspec-patch authors
+  # validate-modules wants "Name (@github-handle)"; the project has no GitHub account yet, and
+  # "(!UNKNOWN)" is the form ansible-test accepts for an author without one.
+  - dynspec-patch authors (!UNKNOWN)
 options:
   state:
     description:
@@ -105,7 +107,9 @@ attributes:
     support: full
     description: The unified diff of every file that changes.
   platform:
+    support: full
     platforms: posix
+    description: The host side runs on POSIX hosts (Linux); the controller needs OpenSSH's C(ssh).
 notes:
   - Use C(serial) and C(max_fail_percentage) to roll the fleet; the collection's playbook
     C(dynspec.patch.roll) does.
