@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "remote"))
 
 import fleet_harness as fleet  # noqa: E402

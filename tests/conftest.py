@@ -74,14 +74,15 @@ def not_the_installed_wheel() -> list[str]:
     import dynspec_patch.transforms.runtime
 
     site = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
-    places = [(name, Path(module.__file__)) for name, module in sys.modules.items()
+    places = [("the dynspec-patch distribution", Path(str(dist.locate_file(""))))]
+    places += [(name, Path(module.__file__)) for name, module in sys.modules.items()
               if name.startswith("dynspec_patch.") and getattr(module, "__file__", None)]
     places += [("dynspec_patch", Path(p)) for p in dynspec_patch.__path__]
     elsewhere = [(name, place) for name, place in places
                  if not any(_inside(place.resolve(), s) for s in site)]
     if elsewhere:
         name, place = elsewhere[0]
-        problems.append(f"{len(elsewhere)} dynspec_patch modules are not imported from "
+        problems.append(f"{len(elsewhere)} parts of dynspec-patch are not the ones in "
                         f"site-packages ({name} from {place})")
     return problems
 

@@ -146,7 +146,7 @@ def ansible_playbook(workdir: Path, inventory: Path, *args: str,
            "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_HOME": str(workdir / "ansible-home"),
            "ANSIBLE_LOCAL_TEMP": str(workdir / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_DEPRECATION_WARNINGS": "0",
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     return subprocess.run([_bin("ansible-playbook"), "-i", str(inventory), *args],
                           cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 from fleet_harness import Load, ansible_playbook, recap, write_inventory
 from remote_harness import tree_bytes
@@ -111,16 +112,23 @@ def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_p
                             "--output-path", str(tmp_path)], capture_output=True, text=True,
                            timeout=120)
     assert built.returncode == 0, built.stderr
-    assert (tmp_path / "dynspec-patch-0.1.0.tar.gz").exists()
-
-    sys.path.insert(0, str(ROOT))
+    tarball = tmp_path / "dynspec-patch-0.1.0.tar.gz"
+    assert tarball.exists()
+    # the documentation as installed from the built collection (the checkout itself never goes
+    # on sys.path: there it would also make the product's source importable, issue 13)
+    installed = subprocess.run([_bin("ansible-galaxy"), "collection", "install", "--offline",
+                                "-p", str(tmp_path / "collections"), str(tarball)],
+                               capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0, installed.stderr
+    sys.path.insert(0, str(tmp_path / "collections"))
     try:
         from ansible_collections.dynspec.patch.plugins.module_utils.sglang_dynspec_spec import (
             ARGUMENT_SPEC,
         )
         from ansible_collections.dynspec.patch.plugins.modules import sglang_dynspec
     finally:
-        sys.path.remove(str(ROOT))
+        sys.path.remove(str(tmp_path / "collections"))
+    assert Path(sglang_dynspec.__file__).is_relative_to(tmp_path)
     documented = yaml.safe_load(sglang_dynspec.DOCUMENTATION)["options"]
     assert set(documented) == set(ARGUMENT_SPEC)
     for name, spec in ARGUMENT_SPEC.items():

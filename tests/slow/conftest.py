@@ -21,7 +21,6 @@ import pytest
 from dynspec_patch.patcher.releases import fetch_wheel, find_pin
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def patch_tree(version: str, dest: Path) -> Path:
                                           if n.startswith("sglang/")])
     cmd = [sys.executable, "-m", "dynspec_patch.patcher.cli", "apply",
            "--sglang-root", str(root / "sglang"), "--worker", "both"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         pytest.fail(f"dynspec-patch apply failed on {version}:\n{proc.stdout}\n{proc.stderr}")
     return root
