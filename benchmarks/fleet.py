@@ -4,7 +4,7 @@ Each host is its own loopback sshd (own port, key, PID namespace) with a venv ho
 pinned SGLang release and the fake server of tests/remote (0.2 s per generation); a real
 sglang-router fronts them and a load generator sends requests through it during the roll.
 Needs root, openssh-server, sudo, and ansible-core + sglang-router in this Python
-(``pip install -e '.[test]'``).
+(``./.venv``, which ``tests/run.sh`` makes).
 
 For each fleet size it times
 - a check-mode run (``--check --diff``, every host at once with ``--forks N``), and
