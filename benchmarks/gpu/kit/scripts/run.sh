@@ -23,7 +23,9 @@
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
 #   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540), VARIANT_ENV (extra
-#   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"),
+#   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
+#   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
+#   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
 set -u
@@ -141,6 +143,12 @@ session)
              --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS";;
       esac
       echo "[$V] client rc=$?"
+      if [ -n "${PROFILE_AT:-}" ]; then   # where a loaded step's time goes (torch profiler, GPU only)
+        case "$V" in check-*) ;; *)
+          timeout 120 "$PY" "$HERE/profile_steps.py" "http://127.0.0.1:$PORT" "$RES" "$V" \
+            --concurrency "$PROFILE_AT" --trace-root "$WORK/profiles";;
+        esac
+      fi
     else
       tail -40 "$LOG"
       echo "{\"name\": \"$V\", \"error\": \"server not ready\"}" > "$RES/$V.json"
