@@ -77,7 +77,7 @@ try:
         {"output_dir": trace_dir, "num_steps": a.steps, "activities": ["GPU"]},
     )
     files = []
-    for _ in range(120):
+    for _ in range(int(2 * float(os.environ.get("PROFILE_WAIT_S", "60")))):
         files = glob.glob(os.path.join(trace_dir, "*.json.gz")) + glob.glob(
             os.path.join(trace_dir, "*.json")
         )
