@@ -149,6 +149,11 @@ class DynSpecController:
 #   target_param a parameter of the target worker's ``forward_batch_generation``
 #   runner_attr  an attribute of the target model runner
 #   batch_member a member of SGLang's ScheduleBatch
+#   verify_module a global of the module holding the release's verify body: the module of
+#                the worker-module global ``run_eagle_verify`` (0.5.16+), else the worker's
+#   fn_param     a parameter of the function ``owner``, a global of the verify module or else
+#                of the worker's module
+#   draft_param  a parameter of the v2 draft worker's method ``owner``
 
 
 @dataclass(frozen=True)
@@ -171,13 +176,6 @@ _COMMON_NEEDS: tuple[Need, ...] = (
     Need("draft_input_cls", "module", ("EagleDraftInput",), why="draft state class"),
     Need("capture_mode_cls", "module", ("CaptureHiddenMode",), why="FULL hidden capture"),
     Need("capture_full", "member", ("FULL",), owner="CaptureHiddenMode"),
-    Need(
-        "bitmask_fn",
-        "module",
-        ("generate_token_bitmask",),
-        optional=True,
-        why="grammar mask of the tree; without it grammar batches keep speculating",
-    ),
     Need("vi_draft_token", "fields", ("draft_token",), owner="EagleVerifyInput"),
     Need("vi_custom_mask", "fields", ("custom_mask",), owner="EagleVerifyInput"),
     Need("vi_positions", "fields", ("positions",), owner="EagleVerifyInput"),
@@ -215,6 +213,13 @@ _COMMON_NEEDS: tuple[Need, ...] = (
 
 V1_NEEDS: tuple[Need, ...] = (
     *_COMMON_NEEDS,
+    Need(
+        "bitmask_fn",
+        "module",
+        ("generate_token_bitmask",),
+        optional=True,
+        why="grammar mask of the tree; without it grammar batches keep speculating",
+    ),
     Need(
         "entry",
         "worker",
@@ -347,14 +352,59 @@ V1_NEEDS: tuple[Need, ...] = (
 V2_NEEDS: tuple[Need, ...] = (
     *_COMMON_NEEDS,
     Need("entry", "worker", ("forward_batch_generation",)),
-    Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput"),
+    # Sampling: EagleVerifyInput.sample (<= 0.5.13.post1) or eagle_sample(vi, ...) (0.5.14+).
+    Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput", optional=True),
     Need(
         "sample_vocab_mask",
         "param",
         ("vocab_mask",),
         owner="EagleVerifyInput.sample",
         optional=True,
+        when=("vi_sample", "sample"),
         why="without it grammar batches keep speculating",
+    ),
+    Need("sample_fn", "verify_module", ("eagle_sample",), optional=True),
+    Need(
+        "sample_fn_mask",
+        "fn_param",
+        ("grammar_mask", "vocab_mask"),
+        owner="eagle_sample",
+        optional=True,
+        when=("sample_fn", "eagle_sample"),
+        why="without it grammar batches keep speculating",
+    ),
+    # Grammar: a bitmask over the tree (<= 0.5.16), or a GrammarMask built from a GrammarTree
+    # after the release's grammar barrier (0.5.17+). Without either, grammar batches speculate.
+    Need("bitmask_fn", "verify_module", ("generate_token_bitmask",), optional=True),
+    Need(
+        "bitmask_takes_vi",
+        "fn_param",
+        ("verify_input",),
+        owner="generate_token_bitmask",
+        optional=True,
+        when=("bitmask_fn", "generate_token_bitmask"),
+        why="the bitmask signature the fallback calls (reqs, verify_input, ...)",
+    ),
+    Need("grammar_mask_fn", "verify_module", ("build_grammar_vocab_mask",), optional=True),
+    Need(
+        "grammar_tree_cls",
+        "verify_module",
+        ("GrammarTree",),
+        when=("grammar_mask_fn", "build_grammar_vocab_mask"),
+    ),
+    Need(
+        "target_capture_kwarg",
+        "target_param",
+        ("capture_hidden_mode",),
+        optional=True,
+        why="0.5.16+: FULL hidden capture is a keyword of the target forward",
+    ),
+    Need(
+        "exec_config",
+        "module",
+        ("get_exec",),
+        optional=True,
+        why="0.5.19+: graph batch sizes and hidden-state capture are read from get_exec()",
     ),
     Need("result_cls", "module", ("GenerationBatchResult",)),
     Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
@@ -392,7 +442,13 @@ V2_NEEDS: tuple[Need, ...] = (
     Need("di_verify_done", "fields", ("verify_done",), owner="EagleDraftInput", optional=True),
     Need("di_allocate_lens", "fields", ("allocate_lens",), owner="EagleDraftInput", optional=True),
     Need("logprob_method", "worker", ("_compute_spec_v2_logprobs",), optional=True),
-    Need("logprob_fn", "module", ("compute_spec_v2_logprobs",), optional=True),
+    Need(
+        "logprob_fn",
+        "verify_module",
+        ("compute_spec_v2_logprobs", "compute_spec_logprobs"),
+        optional=True,
+        why="compute_spec_logprobs (0.5.19+) takes accept_index as a keyword and no steps",
+    ),
     Need("target_worker", "worker", ("target_worker",)),
     Need("draft_worker", "worker", ("draft_worker",)),
     Need("num_draft_tokens", "worker", ("speculative_num_draft_tokens",)),
@@ -400,8 +456,56 @@ V2_NEEDS: tuple[Need, ...] = (
     Need("req_to_token_pool", "worker", ("req_to_token_pool",)),
     Need("server_args", "worker", ("server_args",)),
     Need("draft_extend_for_decode", "draft_worker", ("_draft_extend_for_decode",)),
-    Need("draft_tp_context", "draft_worker", ("draft_tp_context",)),
+    Need(
+        "draft_extend_kv_plan",
+        "draft_param",
+        ("kv_loc_plan",),
+        owner="_draft_extend_for_decode",
+        optional=True,
+        why="0.5.22+: left at None (a plain KV pool needs no id translation)",
+    ),
     Need("draft_runner", "draft_worker", ("draft_runner",)),
+    # The draft TP context: draft_worker.draft_tp_context(tp_group[, owns_attention=...])
+    # (<= 0.5.21), then the module function draft_tp_context(owns_attention) (0.5.22) or
+    # draft_tp_context(layout) (0.5.23); its parameters say which.
+    Need("draft_tp_context", "draft_worker", ("draft_tp_context",), optional=True),
+    Need("draft_tp_fn", "module", ("draft_tp_context",), optional=True),
+    Need(
+        "draft_tp_layout",
+        "fn_param",
+        ("layout",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_tp_owns",
+        "fn_param",
+        ("owns_attention",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_tp_group",
+        "fn_param",
+        ("tp_group",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_parallel_layout",
+        "draft_worker",
+        ("parallel_layout",),
+        when=("draft_tp_layout", "layout"),
+    ),
+    Need(
+        "draft_owns_attention",
+        "draft_worker",
+        ("draft_owns_attention",),
+        when=("draft_tp_owns", "owns_attention"),
+    ),
 )
 
 NEEDS_BY_VARIANT: dict[str, tuple[Need, ...]] = {"v1": V1_NEEDS, "v2": V2_NEEDS}
@@ -471,10 +575,16 @@ class Adapter:
     decode_graphs: DecodeGraphs | None = None
     decode_graphs_note: str = ""
     profiler: StepProfiler | _NoProfiler | None = None
+    # v2: how the draft TP context is entered (see v2_draft_tp_mode).
+    draft_tp: str | None = None
+    # Globals of the module holding the verify body, and the needs resolved there.
+    verify_globals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    verify_keys: frozenset[str] = frozenset()
 
     def cls(self, key: str) -> Any:
-        """The worker-module global a need resolved to."""
-        return self.module_globals[self.names[key]]
+        """The worker-module (or, for a ``verify_module`` need, verify-module) global."""
+        name = self.names[key]
+        return (self.verify_globals if key in self.verify_keys else self.module_globals)[name]
 
     def name(self, key: str) -> str:
         """The concrete spelling of a required need."""
@@ -491,8 +601,27 @@ def _dataclass_field_names(obj: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
 
 
+# The worker-module global whose module holds the verify body (0.5.16+: eagle_worker_common).
+VERIFY_HELPER = "run_eagle_verify"
+
+
+def verify_module_globals(module_globals: dict[str, Any]) -> dict[str, Any]:
+    """Globals of the module holding the release's verify body (the ``verify_module`` scope)."""
+    helper = module_globals.get(VERIFY_HELPER)
+    module = sys.modules.get(getattr(helper, "__module__", "")) if helper is not None else None
+    return vars(module) if module is not None else module_globals
+
+
+def _has_param(fn: Any, name: str) -> bool:
+    try:
+        return fn is not None and name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, str], bool]:
     """``has`` for resolve_needs, answered from the live worker and its module."""
+    verify_globals = verify_module_globals(module_globals)
 
     def owner_obj(owner: str) -> Any:
         return module_globals.get(owner)
@@ -501,6 +630,14 @@ def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, st
         scope = need.scope
         if scope == "module":
             return name in module_globals
+        if scope == "verify_module":
+            return name in verify_globals
+        if scope == "fn_param":
+            fn = verify_globals.get(need.owner) or module_globals.get(need.owner)
+            return _has_param(fn, name)
+        if scope == "draft_param":
+            draft = getattr(worker, "draft_worker", None)
+            return _has_param(getattr(draft, need.owner, None), name)
         if scope == "worker":
             return hasattr(type(worker), name) or hasattr(worker, name)
         if scope == "draft_worker":
@@ -513,11 +650,9 @@ def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, st
             return obj is not None and hasattr(obj, name)
         if scope == "param":
             cls_name, method = need.owner.split(".")
-            fn = getattr(owner_obj(cls_name), method, None)
-            return fn is not None and name in inspect.signature(fn).parameters
+            return _has_param(getattr(owner_obj(cls_name), method, None), name)
         if scope == "target_param":
-            fn = worker.target_worker.forward_batch_generation
-            return name in inspect.signature(fn).parameters
+            return _has_param(worker.target_worker.forward_batch_generation, name)
         if scope == "runner_attr":
             return hasattr(worker.target_worker.model_runner, name)
         if scope == "batch_member":
@@ -551,12 +686,30 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
     for attr in ("hybrid_gdn_config", "mamba2_config", "hybrid_lightning_config"):
         if getattr(runner, attr, None) is not None:
             return "hybrid Mamba/GDN/Lightning target"
-    if variant == "v2" and int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
+    if variant == "v2":
+        return _v2_refusal(worker, args, runner)
+    return None
+
+
+def _v2_refusal(worker: Any, args: Any, runner: Any) -> str | None:
+    # The worker's own topk is the resolved one (0.5.19+ server_args hold the raw input).
+    topk = getattr(worker, "topk", None)
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        topk = int(getattr(args, "speculative_eagle_topk", 1) or 1)
+    if topk != 1:
         return "topk > 1 with the v2 worker"
-    if variant == "v2" and getattr(worker, "adaptive_controller", None) is not None:
-        # 0.5.12+: the scheduler feeds every v2 result's accept_lens into the adaptive EMA,
-        # so fallback steps would read as "no draft accepted" and skew it.
-        return "adaptive speculative decoding with the v2 worker"
+    if getattr(worker, "adaptive_controller", None) is not None:
+        # Two controllers would fight: SGLang's adaptive swaps the target's graph runner,
+        # attention backend and draft width per batch size, and the 0.5.12+ scheduler feeds
+        # every v2 result into its EMA. SGLang's adaptive keeps the server.
+        return (
+            "SGLang's own adaptive speculation (--speculative-adaptive) runs on this server; "
+            "relaunch without --speculative-adaptive to use the threshold"
+        )
+    if getattr(args, "enable_return_routed_experts", False):
+        return "returning routed experts (the fallback's result does not carry them)"
+    if getattr(runner, "watermark_state", None) is not None:
+        return "watermarking (the fallback's sampling does not apply it)"
     return None
 
 
@@ -609,10 +762,13 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         )
         raise Unsupported(f"this SGLang lacks {listed}")
     _check_verify_input_fields(module_globals[names["verify_input_cls"]], names)
+    needs = NEEDS_BY_VARIANT[variant]
     adapter = Adapter(
         variant=variant,
         names=names,
         module_globals=module_globals,
+        verify_globals=verify_module_globals(module_globals),
+        verify_keys=frozenset(n.key for n in needs if n.scope == "verify_module"),
         controller=DynSpecController(
             threshold,
             resume_below=getattr(worker.server_args, "speculative_disable_resume_below", None),
@@ -621,12 +777,11 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
             log=_rank0_logger(worker),
         ),
     )
-    mask_param = names["verify_vocab_mask" if variant == "v1" else "sample_vocab_mask"]
-    adapter.grammar = mask_param is not None and names["bitmask_fn"] is not None
     if variant == "v1":
+        adapter.grammar = names["verify_vocab_mask"] is not None and names["bitmask_fn"] is not None
         _resolve_v1_contract(worker, adapter)
     else:
-        _resolve_v2_contract(adapter)
+        _resolve_v2_contract(worker, adapter)
     _warn_if_never_triggers(worker, threshold)
     return adapter
 
@@ -655,13 +810,45 @@ def _resolve_v1_contract(worker: Any, adapter: Adapter) -> None:
         adapter.tuple_arity = arity
 
 
-def _resolve_v2_contract(adapter: Adapter) -> None:
+def _resolve_v2_contract(worker: Any, adapter: Adapter) -> None:
     names = adapter.names
     # Where new_seq_lens travels: on the result (0.5.13+) or on the next draft input.
     if names["gbr_new_seq_lens"] is None and names["di_new_seq_lens"] is None:
         raise Unsupported("neither GenerationBatchResult nor EagleDraftInput has new_seq_lens")
     if names["gbr_allocate_lens"] is not None and names["di_allocate_lens"] is None:
         raise Unsupported("allocate_lens on the result but not on EagleDraftInput")
+    if names["vi_sample"] is None and names["sample_fn"] is None:
+        raise Unsupported("neither EagleVerifyInput.sample nor eagle_sample")
+    adapter.draft_tp = v2_draft_tp_mode(names)
+    if adapter.draft_tp is None:
+        raise Unsupported("no draft TP context this runtime knows how to enter")
+    adapter.grammar = v2_grammar_mode(names) is not None
+    runner = worker.target_worker.model_runner
+    if names["draft_extend_kv_plan"] is not None and getattr(runner, "is_hybrid_swa", False):
+        raise Unsupported("refused: a hybrid SWA KV pool translates KV ids (0.5.22+)")
+
+
+def v2_draft_tp_mode(names: dict[str, str | None]) -> str | None:
+    """How to enter the draft TP context: the draft worker's method, or the module function."""
+    if names.get("draft_tp_layout") is not None:
+        return "fn(layout)"
+    if names.get("draft_tp_owns") is not None and names.get("draft_tp_group") is None:
+        return "fn(owns_attention)"
+    if names.get("draft_tp_context") is None:
+        return None
+    if names.get("draft_tp_owns") is not None:
+        return "method(tp_group, owns_attention)"
+    return "method(tp_group)"
+
+
+def v2_grammar_mode(names: dict[str, str | None]) -> str | None:
+    """Which grammar mask the v2 fallback can build and hand to sampling (None: speculate)."""
+    mask_param = names.get("sample_vocab_mask") or names.get("sample_fn_mask")
+    if mask_param == "grammar_mask" and names.get("grammar_mask_fn") is not None:
+        return "grammar_mask"
+    if mask_param == "vocab_mask" and names.get("bitmask_takes_vi") is not None:
+        return "bitmask"
+    return None
 
 
 def _adapter_for(worker: Any, variant: str) -> Adapter | None:
@@ -741,34 +928,84 @@ def _new_attention_backend(model_runner: Any) -> Any:
             return model_runner.attn_backend
 
 
+def _settable(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` may be assigned (0.5.19+ seal ServerArgs after resolution)."""
+    try:
+        setattr(obj, name, getattr(obj, name))
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def _hidden_capture_values(has_mode: bool) -> dict[str, Any]:
+    """FULL hidden-state capture; 0.5.17+ also has a mode, whose "last" would capture LAST."""
+    values: dict[str, Any] = {"enable_return_hidden_states": True}
+    if has_mode:
+        values["return_hidden_states_mode"] = "full"
+    return values
+
+
+def _graph_size_holders(args: Any, graph_bag: Any) -> list[tuple[Any, str]]:
+    """Where the decode graph batch sizes are read at capture: (object, attribute), distinct.
+
+    ``server_args.cuda_graph_bs`` (<= 0.5.13), ``server_args.cuda_graph_config.decode.bs``
+    (0.5.14 - 0.5.18) and ``get_exec().graph.cuda_graph_config.decode.bs`` (0.5.19+).
+    """
+    holders: list[tuple[Any, str]] = []
+    if isinstance(getattr(args, "cuda_graph_bs", None), list) and _settable(args, "cuda_graph_bs"):
+        holders.append((args, "cuda_graph_bs"))
+    for config in (args, graph_bag):
+        config = getattr(config, "cuda_graph_config", None)
+        decode = getattr(config, "decode", None)
+        known = any(decode is holder for holder, _ in holders)
+        if isinstance(getattr(decode, "bs", None), list) and not known:
+            holders.append((decode, "bs"))
+    return holders
+
+
 def capture_decode_graphs(
-    model_runner: Any, graph_attr: str, min_batch_size: int
+    model_runner: Any, graph_attr: str, min_batch_size: int, exec_config: Any = None
 ) -> tuple[DecodeGraphs | None, str]:
     """Capture DECODE graphs (FULL hidden capture) for the target; (None, why) if not possible.
 
     SGLang's own graph runner class is constructed while the runner looks non-speculative, on a
-    new attention backend, with ``enable_return_hidden_states`` on so the graphs return the
-    hidden states the draft-extend needs (no recapture at the first fallback step), and only
-    for the CUDA-graph batch sizes >= ``min_batch_size`` (smaller batches pad up to the first).
+    new attention backend, with hidden-state capture on so the graphs return the hidden states
+    the draft-extend needs (no recapture at the first fallback step), and only for the
+    CUDA-graph batch sizes >= ``min_batch_size`` (smaller batches pad up to the first).
+    ``exec_config`` is 0.5.19+'s ``get_exec()``, where those settings are read from.
     """
     verify_graphs = getattr(model_runner, graph_attr, None)
     if verify_graphs is None:
         return None, "CUDA graphs are off on this server"
     args = model_runner.server_args
-    if not hasattr(args, "enable_return_hidden_states"):
+    features = getattr(exec_config, "features", None)
+    on_args = hasattr(args, "enable_return_hidden_states") and _settable(
+        args, "enable_return_hidden_states"
+    )
+    on_bag = features is not None and "enable_return_hidden_states" in features
+    if not (on_args or on_bag):
         return None, "this SGLang cannot capture hidden states in graphs"
     non_speculative = getattr(type(model_runner.spec_algorithm), "NONE", None)
     if non_speculative is None:
         return None, "SpeculativeAlgorithm has no NONE"
-    arg_values: dict[str, Any] = {"enable_return_hidden_states": True}
-    batch_sizes = getattr(args, "cuda_graph_bs", None)
-    if isinstance(batch_sizes, list) and batch_sizes:
-        above = sorted({b for b in batch_sizes if b >= min_batch_size})
-        arg_values["cuda_graph_bs"] = above or [max(batch_sizes)]
     backend = _new_attention_backend(model_runner)
     runner_values = {"spec_algorithm": non_speculative, "attn_backend": backend}
-    with _attributes_set(args, arg_values), _attributes_set(model_runner, runner_values):
+    with contextlib.ExitStack() as stack:
+        if on_args:
+            has_mode = hasattr(args, "return_hidden_states_mode")
+            stack.enter_context(_attributes_set(args, _hidden_capture_values(has_mode)))
+        if on_bag:
+            has_mode = "return_hidden_states_mode" in features
+            stack.enter_context(features.override(**_hidden_capture_values(has_mode)))
+        for holder, attr in _graph_size_holders(args, getattr(exec_config, "graph", None)):
+            sizes = getattr(holder, attr)
+            above = sorted({b for b in sizes if b >= min_batch_size}) or [max(sizes)]
+            stack.enter_context(_attributes_set(holder, {attr: above}))
+        stack.enter_context(_attributes_set(model_runner, runner_values))
         runner = type(verify_graphs)(model_runner)
+    mode = getattr(runner, "capture_hidden_mode", None)
+    if mode is not None and getattr(mode, "name", "FULL") != "FULL":
+        return None, f"the graphs were captured with hidden states {mode.name}, not FULL"
     captured = sorted(int(b) for b in getattr(runner, "capture_bs", []))
     return DecodeGraphs(runner=runner, attn_backend=backend, batch_sizes=captured), ""
 
@@ -781,10 +1018,12 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
     log = _rank0_logger(worker)
     started = time.perf_counter()
     try:
+        exec_config = adapter.cls("exec_config")() if adapter.names.get("exec_config") else None
         graphs, why = capture_decode_graphs(
             target_worker.model_runner,
             adapter.name("graph_attr"),
             adapter.controller.resume_below,
+            exec_config=exec_config,
         )
     except Exception as exc:  # capture failed: stay correct, run the target eagerly
         graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
@@ -958,14 +1197,21 @@ def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu
         "vi_draft_token_num": 1,
         "vi_capture_mode": adapter.cls("capture_mode_cls").FULL,
         "vi_topk": 1,
-        # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does.
-        "vi_seq_lens_sum": int(
-            (seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens).sum()
-        ),
+        # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does
+        # (no device sync where the scheduler sent no CPU lengths, as in 0.5.17+).
+        "vi_seq_lens_sum": _one_node_seq_lens_sum(batch, seq_lens_cpu),
         "vi_seq_lens_cpu": seq_lens_cpu,
     }
     kwargs = {names[k]: v for k, v in values.items() if names.get(k) is not None}
     return adapter.cls("verify_input_cls")(**kwargs)
+
+
+def _one_node_seq_lens_sum(batch: Any, seq_lens_cpu: Any) -> int | None:
+    if seq_lens_cpu is not None:
+        return int(seq_lens_cpu.sum())
+    if hasattr(batch, "seq_lens_sum") and batch.seq_lens_sum is None:
+        return None
+    return int(batch.seq_lens.sum())
 
 
 def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
@@ -988,10 +1234,12 @@ def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
 
 def _target_decode(adapter: Adapter, worker_batch: Any, target_worker: Any) -> tuple[Any, bool]:
     """Target forward of a DECODE batch on the DECODE graphs (or eagerly): (logits, graph?)."""
-    kwarg = adapter.name("target_kwarg")
+    kwargs: dict[str, Any] = {adapter.name("target_kwarg"): True}
+    if adapter.names.get("target_capture_kwarg") is not None:  # 0.5.16+: not read off the batch
+        kwargs["capture_hidden_mode"] = adapter.cls("capture_mode_cls").FULL
     runner = target_worker.model_runner
     with target_decode_mode(runner, adapter.name("graph_attr"), adapter.decode_graphs):
-        out = target_worker.forward_batch_generation(worker_batch, **{kwarg: True})
+        out = target_worker.forward_batch_generation(worker_batch, **kwargs)
     if isinstance(out, tuple):  # 0.4.x: (logits, next_token_ids[, can_run_cuda_graph])
         return out[0], bool(out[2]) if len(out) > 2 else False
     return out.logits_output, bool(out.can_run_cuda_graph)
@@ -1137,8 +1385,10 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
 def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     """Run one fallback decode step for ``EAGLEWorkerV2`` and return its result, or None.
 
-    ``batch`` is the ModelWorkerBatch (<= 0.5.12.post1) or ScheduleBatch (0.5.13.x) the worker
-    received; ``kwargs`` are the worker's other parameters (``on_publish`` in 0.5.13.x).
+    ``batch`` is the ModelWorkerBatch (<= 0.5.12.post1) or ScheduleBatch (0.5.13+) the worker
+    received; ``kwargs`` are the worker's other parameters: ``on_publish`` (0.5.13+),
+    ``grammar_barrier`` (0.5.17+), ``pp_proxy_tensors`` (0.5.19+; pipeline parallelism is
+    refused, so it is always None here).
     """
     adapter = _adapter_for(worker, "v2")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
@@ -1151,15 +1401,18 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     if not _decide(adapter, batch):
         return None
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
-    result = _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
+    result = _v2_step(
+        worker, adapter, batch, kwargs.get("on_publish"), kwargs.get("grammar_barrier")
+    )
     adapter.profiler.finish()
     return result
 
 
-def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
+def _v2_step(
+    worker: Any, adapter: Adapter, batch: Any, on_publish: Any, grammar_barrier: Any = None
+) -> Any:
     import torch
 
-    names = adapter.names
     draft_input = batch.spec_info  # the FutureMap has already been resolved into it
     root = getattr(draft_input, adapter.name("root_field")).to(torch.int64)
     bs = len(batch.seq_lens)
@@ -1190,11 +1443,9 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     decode_batch.out_cache_loc = slots[:, 0].contiguous()
     decode_batch.seq_lens = batch.seq_lens + 1
     seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
+    decode_batch.seq_lens_sum = _plus_one_sum(batch, seq_lens_cpu, bs)
     if seq_lens_cpu is not None:
         decode_batch.seq_lens_cpu = seq_lens_cpu + 1
-        decode_batch.seq_lens_sum = int(decode_batch.seq_lens_cpu.sum())
-    else:
-        decode_batch.seq_lens_sum = int(decode_batch.seq_lens.sum())
     decode_batch.spec_info = None
     decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
     adapter.profiler.mark("prepare")
@@ -1204,11 +1455,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
     batch.input_ids = root  # as SGLang's verify does (input = the tree); sample() reads it
-    sample_args = [batch, logits_output]
-    if names["sample_vocab_mask"] is not None:
-        mask = _grammar_mask(adapter, batch, vi, device) if _has_grammar(batch) else None
-        sample_args.append(mask)
-    predict, accept_lens, _ = vi.sample(*sample_args)
+    predict, accept_lens = _v2_sample(adapter, vi, batch, logits_output, grammar_barrier)
     adapter.profiler.mark("sample")
 
     # 3) pad back to the stride the scheduler and the draft-extend graph read
@@ -1239,10 +1486,80 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     batch.out_cache_loc = slots.reshape(-1)
     logits_output.hidden_states = padded_hidden
     draft = worker.draft_worker
-    with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
+    with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
         draft._draft_extend_for_decode(batch, result)
     adapter.profiler.mark("draft_extend")
     return result
+
+
+def _plus_one_sum(batch: Any, seq_lens_cpu: Any, bs: int) -> int | None:
+    """The sum of ``seq_lens + 1`` without a device sync; None where the scheduler has none.
+
+    0.5.17+ with a backend that needs no CPU lengths (Triton) hands over neither
+    ``seq_lens_cpu`` nor ``seq_lens_sum``; the forward then works without them.
+    """
+    if seq_lens_cpu is not None:
+        return int(seq_lens_cpu.sum()) + bs
+    if hasattr(batch, "seq_lens_sum") and batch.seq_lens_sum is None:
+        return None
+    return int(batch.seq_lens.sum()) + bs
+
+
+def _v2_sample(
+    adapter: Adapter, vi: Any, batch: Any, logits_output: Any, grammar_barrier: Any
+) -> tuple[Any, Any]:
+    """(predict, accept_lens) from the release's sampler, with the grammar mask it takes."""
+    names = adapter.names
+    mask = None
+    if adapter.grammar and _has_grammar(batch):
+        if v2_grammar_mode(names) == "grammar_mask":
+            mask = _v2_grammar_mask(adapter, batch, vi, grammar_barrier)
+        else:
+            mask = _grammar_mask(adapter, batch, vi, vi.draft_token.device)
+    if names["sample_fn"] is not None:
+        args = [vi, batch, logits_output]
+        if names["sample_fn_mask"] is not None:
+            args.append(mask)
+        predict, accept_lens, _ = adapter.cls("sample_fn")(*args)
+        return predict, accept_lens
+    args = [batch, logits_output]
+    if names["sample_vocab_mask"] is not None:
+        args.append(mask)
+    predict, accept_lens, _ = vi.sample(*args)
+    return predict, accept_lens
+
+
+def _v2_grammar_mask(adapter: Adapter, batch: Any, vi: Any, grammar_barrier: Any) -> Any:
+    """0.5.17+: a GrammarMask over the one-node tree, after the scheduler's grammar barrier."""
+    next_token = getattr(vi, adapter.name("vi_next_token"))
+    tree = adapter.cls("grammar_tree_cls").from_device(
+        next_token,
+        getattr(vi, adapter.name("vi_next_sibling")),
+        vi.draft_token.view(next_token.shape),
+    )
+    return adapter.cls("grammar_mask_fn")(
+        reqs=batch.reqs,
+        tree=tree,
+        sampling_info=batch.sampling_info,
+        device=next_token.device,
+        barrier=grammar_barrier,
+    )
+
+
+def _v2_draft_tp(adapter: Adapter, draft: Any) -> tuple[Callable[[Any], Any], Any]:
+    """(context factory, its argument) for the draft TP context, as that release enters it."""
+    mode = adapter.draft_tp
+    if mode == "fn(layout)":
+        return adapter.cls("draft_tp_fn"), draft.parallel_layout
+    if mode == "fn(owns_attention)":
+        return adapter.cls("draft_tp_fn"), draft.draft_owns_attention
+    if mode == "method(tp_group, owns_attention)":
+        owns = draft.draft_owns_attention
+        return (
+            lambda group: draft.draft_tp_context(group, owns_attention=owns),
+            draft.draft_runner.tp_group,
+        )
+    return draft.draft_tp_context, draft.draft_runner.tp_group
 
 
 def _v2_logprobs(
@@ -1256,6 +1573,8 @@ def _v2_logprobs(
     accept_index[:, 0] = torch.arange(bs, dtype=torch.int32, device=predict.device)
     if adapter.names["logprob_method"] is not None:
         worker._compute_spec_v2_logprobs(batch, logits_output, predict, accept_index)
+    elif adapter.names["logprob_fn"] == "compute_spec_logprobs":  # 0.5.19+
+        adapter.cls("logprob_fn")(batch, logits_output, predict, accept_index=accept_index)
     elif adapter.names["logprob_fn"] is not None:
         adapter.cls("logprob_fn")(batch, logits_output, predict, accept_index, steps)
     # Neither helper: that release's spec v2 path returns no logprobs either.
