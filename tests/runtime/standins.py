@@ -596,7 +596,8 @@ class DraftExtendGraphRunner:
         self.world.extend_captures.append(self)
 
     def replay(self, forward_batch: Any) -> None:
-        self.replays.append(forward_batch)
+        draft = self.world.worker.draft_worker
+        self.replays.append((forward_batch, draft.speculative_num_draft_tokens))
 
 
 class _BatchBase:

@@ -953,6 +953,19 @@ def capture_draft_extend_width1(
     return Width1DraftExtend(runner, backend, sizes, pads_to_graph=pads), ""
 
 
+def _replays_draft_extend_graphs(draft: Any) -> bool:
+    """Whether the draft worker's ``_draft_extend_for_decode`` reads its graph runner.
+
+    0.5.5.post2 captures draft-extend graphs but its draft-extend never replays them: a
+    width-1 graph would only cost memory there.
+    """
+    try:
+        source = inspect.getsource(draft._draft_extend_for_decode)
+    except (OSError, TypeError):
+        return False
+    return "cuda_graph_runner_for_draft_extend" in source
+
+
 def _all_ranks_agree(tp_group: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank of ``tp_group`` (one CPU all-reduce when TP > 1).
 
@@ -994,6 +1007,8 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
         why = "this SGLang lacks " + ", ".join(missing)
     elif getattr(draft, "cuda_graph_runner_for_draft_extend", None) is None:
         why = "this server runs its draft-extend without a CUDA graph"
+    elif not _replays_draft_extend_graphs(draft):
+        why = "this SGLang's _draft_extend_for_decode never replays a graph (0.5.5: eager)"
     else:
         try:
             with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
@@ -1075,11 +1090,9 @@ def warmup_order(batch_sizes: list[int]) -> list[int]:
 
 
 class _PaddingBatch:
-    """A forward batch of padding rows only, for warm-up replays.
+    """Attributes of a warm-up batch where SGLang has no dataclass to hold them.
 
-    Each row reads request-pool row 0 for ``seq_len_fill_value`` tokens and writes its KV to
-    slot 0, which SGLang reserves for padding: what the padded rows of every real replay do.
-    A field that is not set reads as None, as in a plain decode batch that leaves it unset.
+    A field that is not set reads as None, as in a batch that leaves it unset.
     """
 
     def __init__(self, **fields: Any) -> None:
@@ -1091,7 +1104,30 @@ class _PaddingBatch:
         return None
 
 
+def _dataclass_instance(cls: Any, values: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` with ``values``, every other field at its default
+    (None where it has none), without running its ``__init__`` / ``__post_init__``."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
 def _padding_batch(runner: Any, bs: int, device: Any, forward_mode: Any, **extra: Any) -> Any:
+    """A forward batch of ``bs`` padding rows only, for a warm-up replay of ``runner``.
+
+    Each row reads request-pool row 0 for ``seq_len_fill_value`` tokens and writes its KV to
+    slot 0, which SGLang reserves for padding: what the padded rows of every real replay do.
+    It is SGLang's own ForwardBatch (every other field at its default) where there is one.
+    """
     import torch
 
     fill = int(getattr(runner, "seq_len_fill_value", 1) or 1)
@@ -1099,19 +1135,32 @@ def _padding_batch(runner: Any, bs: int, device: Any, forward_mode: Any, **extra
     def zeros() -> Any:
         return torch.zeros(bs, dtype=torch.int64, device=device)
 
-    return _PaddingBatch(
-        forward_mode=forward_mode,
-        batch_size=bs,
-        input_ids=zeros(),
-        req_pool_indices=zeros(),
-        seq_lens=torch.full((bs,), fill, dtype=torch.int64, device=device),
-        seq_lens_cpu=torch.full((bs,), fill, dtype=torch.int64),
-        seq_lens_sum=bs * fill,
-        out_cache_loc=zeros(),
-        positions=zeros(),
-        num_token_non_padded=torch.tensor(bs, dtype=torch.int32, device=device),
+    values = {
+        "forward_mode": forward_mode,
+        "batch_size": bs,
+        "input_ids": zeros(),
+        "req_pool_indices": zeros(),
+        "seq_lens": torch.full((bs,), fill, dtype=torch.int64, device=device),
+        "seq_lens_cpu": torch.full((bs,), fill, dtype=torch.int64),
+        "seq_lens_sum": bs * fill,
+        "out_cache_loc": zeros(),
+        "positions": zeros(),
+        "num_token_non_padded": torch.tensor(bs, dtype=torch.int32, device=device),
         **extra,
-    )
+    }
+    forward_batch_cls = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardBatch", None)
+    if dataclasses.is_dataclass(forward_batch_cls):
+        return _dataclass_instance(forward_batch_cls, values)
+    return _PaddingBatch(**values)
+
+
+def _padding_hidden(runner: Any, rows: int) -> Any:
+    """Zero hidden states as wide as a draft-extend graph's input buffer (None: unknown)."""
+    buffers = getattr(runner, "buffers", runner)
+    buffer = getattr(buffers, "hidden_states", None)
+    if buffer is None or not hasattr(buffer, "new_zeros"):
+        return None
+    return buffer.new_zeros((rows, *buffer.shape[1:]))
 
 
 def _forward_mode(name: str) -> Any:
@@ -1158,9 +1207,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
         draft = worker.draft_worker
 
         def replay_extend(bs: int) -> None:
-            spec_info = _PaddingBatch(
-                hidden_states=None, num_correct_drafts=None, num_accept_tokens=None
-            )
+            spec_info = _PaddingBatch(hidden_states=_padding_hidden(width1.runner, bs))
             batch = _padding_batch(
                 width1.runner, bs, device, width1.runner.forward_mode, spec_info=spec_info
             )
@@ -1180,27 +1227,28 @@ def run_warmup(
     budget_s: float,
     stop_together: Callable[[bool], bool],
     clock: Callable[[], float] = time.perf_counter,
-) -> tuple[int, str]:
-    """Run ``replays`` in order; (how many ran, why it stopped early or "").
+) -> tuple[int, list[str], str]:
+    """Run ``replays`` in order; (how many ran, what raised, why it stopped early or "").
 
-    No replay starts after ``budget_s`` seconds or after one raised. ``stop_together(flag)``
-    answers whether any rank wants to stop, so every TP rank stops before the same replay (a
-    replay of a TP model runs collectives, and time differs between ranks).
+    No replay starts after ``budget_s`` seconds. One that raises is reported and the others
+    still run (what it would have compiled then compiles at its first real use).
+    ``stop_together(flag)`` answers whether any rank wants to stop, so every TP rank stops
+    before the same replay (a replay of a TP model runs collectives; time differs by rank).
     """
     started = clock()
-    done, why = 0, ""
+    done, errors = 0, []
     for kind, call in replays:
-        if not why and clock() - started > budget_s:
-            why = f"the {budget_s:g}s budget ran out"
-        if stop_together(bool(why)):
-            return done, why or "another TP rank stopped (or the ranks cannot agree)"
+        late = clock() - started > budget_s
+        if stop_together(late):
+            why = f"the {budget_s:g}s budget ran out" if late else "another TP rank stopped"
+            return done, errors, why
         try:
             call()
-        except Exception as exc:  # never break the server: what is left compiles when used
-            why = f"a {kind} replay raised {type(exc).__name__}: {exc}"
+        except Exception as exc:  # never break the server
+            errors.append(f"a {kind} replay raised {type(exc).__name__}: {exc}")
         else:
             done += 1
-    return done, why
+    return done, errors, ""
 
 
 def _warmup_budget() -> float:
@@ -1222,22 +1270,24 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
     try:
         replays = _warmup_replays(adapter, worker)
-        done, why = run_warmup(
+        done, errors, why = run_warmup(
             replays, budget, lambda stop: not _all_ranks_agree(tp_group, not stop)
         )
         _synchronize(getattr(worker.target_worker.model_runner, "device", "cpu"))
     except Exception as exc:  # building the replays failed: the first real steps compile
-        replays, done, why = [], 0, f"{type(exc).__name__}: {exc}"
-    counts = collections.Counter(kind for kind, _ in replays[:done])
-    ran = ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+        replays, done, errors, why = [], 0, [f"{type(exc).__name__}: {exc}"], ""
+    counts = collections.Counter(kind for kind, _ in replays)
+    kinds = ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
     line = (
-        f"[dynspec] warm-up replays at start-up: {done}/{len(replays)} ({ran}) in "
+        f"[dynspec] warm-up replays at start-up: {done}/{len(replays)} ok ({kinds}) in "
         f"{time.perf_counter() - started:.1f}s"
     )
+    if errors:
+        line += f"; {len(errors)} raised, the first: {errors[0]}"
     if why:
-        _rank0_logger(worker, logging.WARNING)(f"{line}; stopped early: {why}")
-    else:
-        _rank0_logger(worker)(line)
+        line += f"; stopped early: {why}"
+    level = logging.WARNING if errors or why else logging.INFO
+    _rank0_logger(worker, level)(line)
 
 
 def _synchronize(device: Any) -> None:
