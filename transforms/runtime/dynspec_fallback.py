@@ -945,9 +945,12 @@ def capture_draft_extend_width1(
     width = _captured_width(runner)
     if width != 1:
         return None, f"the graph runner captured {width} tokens per request, not 1"
-    for name, expected in _BACKEND_WIDTH1.items():
-        if getattr(backend, name, expected) != expected:
-            return None, f"the new attention backend has {name}={getattr(backend, name)}"
+    widths = {name: getattr(backend, name) for name in _BACKEND_WIDTH1 if hasattr(backend, name)}
+    if not widths:  # nothing to check it against: fail closed
+        return None, f"{type(backend).__name__} shows no draft-extend width to check"
+    for name, value in widths.items():
+        if value != _BACKEND_WIDTH1[name]:
+            return None, f"the new attention backend has {name}={value}"
     sizes = sorted(int(b) for b in getattr(runner, "capture_bs", []))
     pads = not getattr(runner, "disable_padding", False)
     return Width1DraftExtend(runner, backend, sizes, pads_to_graph=pads), ""
@@ -1186,10 +1189,13 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             seq_lens = torch.full((rows,), 2, dtype=torch.int64, device=device)
             replays.append(("clamp_position", functools.partial(clamp, seq_lens)))
         graph_attr = adapter.name("graph_attr")
-        mode = getattr(decode.runner, "capture_forward_mode", None) or _forward_mode("DECODE")
-        hidden_mode = getattr(decode.runner, "capture_hidden_mode", None) or (
-            adapter.cls("capture_mode_cls").FULL
-        )
+        # The runner's own modes (IntEnums: NULL is 0, so no ``or``): no recapture at warm-up.
+        mode = getattr(decode.runner, "capture_forward_mode", None)
+        if mode is None:
+            mode = _forward_mode("DECODE")
+        hidden_mode = getattr(decode.runner, "capture_hidden_mode", None)
+        if hidden_mode is None:
+            hidden_mode = adapter.cls("capture_mode_cls").FULL
 
         def replay_decode(bs: int) -> None:
             batch = _padding_batch(
