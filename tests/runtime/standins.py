@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import enum
 import itertools
+import linecache
 import sys
 import types
 from collections.abc import Callable
@@ -192,11 +193,23 @@ def _signature(fn: ast.FunctionDef, drop_first: bool = False) -> str:
     return ast.unparse(arguments)
 
 
-def clone(signature: str, name: str, impl: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
-    """A function with exactly ``signature``'s parameters that calls ``impl(bound_args)``."""
+_clone_ids = itertools.count()
+
+
+def clone(
+    signature: str, name: str, impl: Callable[[dict[str, Any]], Any], note: str = ""
+) -> Callable[..., Any]:
+    """A function with exactly ``signature``'s parameters that calls ``impl(bound_args)``.
+
+    ``note`` becomes a comment in its source, which ``inspect.getsource`` can read (the
+    runtime reads some SGLang methods' source).
+    """
     namespace: dict[str, Any] = {}
-    source = f"def {name}({signature}):\n    return _impl(dict(locals()))\n"
-    exec(source, {"_impl": impl}, namespace)
+    comment = f"    # {note}\n" if note else ""
+    source = f"def {name}({signature}):\n{comment}    return _impl(dict(locals()))\n"
+    filename = f"<standin {name} {next(_clone_ids)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), {"_impl": impl}, namespace)
     return namespace[name]
 
 
@@ -309,6 +322,10 @@ class World:
                 ),
             ),
         )
+        self.fail_draft_extend_at_width: int | None = None
+        self.fail_extend_capture: Exception | None = None
+        self.extend_captures: list[Any] = []
+        self.draft_backends_made: list[Any] = []
         self._install_globals()
         if shape.variant == "v2":
             self._install_v2_helpers()
@@ -384,6 +401,12 @@ class World:
             yield
 
         available["get_exec"] = lambda: world.exec_config
+        available["EAGLEDraftExtendCudaGraphRunner"] = type(
+            "EAGLEDraftExtendCudaGraphRunner", (DraftExtendGraphRunner,), {"world": world}
+        )
+        available["DraftBackendFactory"] = type(
+            "DraftBackendFactory", (DraftBackendFactory,), {"world": world}
+        )
         available["speculative_moe_backend_context"] = moe_context
         available["speculative_moe_a2a_backend_context"] = moe_context
         available["add_output_logprobs_for_spec_v1"] = lambda batch, res, lo: rec.add(
@@ -581,23 +604,7 @@ class World:
             worker.req_to_token_pool = types.SimpleNamespace(req_to_token=self.req_to_token)
             if "topk" in shape.worker_members:  # 0.5.14+: the resolved topk
                 worker.topk = self.server_args.speculative_eagle_topk
-            extend = shape.signatures["draft._draft_extend_for_decode"].split(", ", 1)[1]
-            worker.draft_worker = types.SimpleNamespace(
-                draft_runner=types.SimpleNamespace(tp_group="draft-tp"),
-                _draft_extend_for_decode=clone(
-                    extend, "_draft_extend_for_decode", world._draft_extend_v2
-                ),
-            )
-            draft_members = shape.draft_worker_members
-            if "draft_tp_context" in draft_members:
-                signature = shape.signatures.get("draft_tp_context", "tp_group")
-                worker.draft_worker.draft_tp_context = clone(
-                    signature, "draft_tp_context", self._tp_enter
-                )
-            if "draft_owns_attention" in draft_members:
-                worker.draft_worker.draft_owns_attention = "owns-attention"
-            if "parallel_layout" in draft_members:
-                worker.draft_worker.parallel_layout = "draft-layout"
+            worker.draft_worker = self._make_draft_worker()
         worker.server_args = self.server_args
         worker.target_worker = target
         worker.draft_tp_context = draft_tp_context
@@ -606,6 +613,44 @@ class World:
         worker.adaptive_controller = _ForbiddenController() if shape.variant == "v1" else None
         self.module.__dict__[type(worker).__name__] = type(worker)
         return worker
+
+    def _make_draft_worker(self) -> Any:
+        """EagleDraftWorker stand-in: the members that release's draft worker has.
+
+        Its draft-extend runs without a CUDA graph unless a test gives it one
+        (``cuda_graph_runner_for_draft_extend``), as on a server with CUDA graphs off.
+        """
+        shape = self.shape
+        extend = shape.signatures["draft._draft_extend_for_decode"].split(", ", 1)[1]
+        draft = types.SimpleNamespace(
+            draft_runner=types.SimpleNamespace(tp_group="draft-tp", server_args=self.server_args),
+            _draft_extend_for_decode=clone(
+                extend,
+                "_draft_extend_for_decode",
+                self._draft_extend_v2,
+                note="replays self.cuda_graph_runner_for_draft_extend where it can, as SGLang's",
+            ),
+        )
+        draft_members = shape.draft_worker_members
+        if "draft_tp_context" in draft_members:
+            signature = shape.signatures.get("draft_tp_context", "tp_group")
+            draft.draft_tp_context = clone(signature, "draft_tp_context", self._tp_enter)
+        if "draft_owns_attention" in draft_members:
+            draft.draft_owns_attention = "owns-attention"
+        if "parallel_layout" in draft_members:
+            draft.parallel_layout = "draft-layout"
+        optional = {
+            "speculative_num_steps": 3,
+            "speculative_num_draft_tokens": 4,
+            "topk": 1,
+            "server_args": self.server_args,
+            "cuda_graph_runner_for_draft_extend": None,
+            "draft_extend_attn_backend": None,
+        }
+        for name, value in optional.items():
+            if name in shape.draft_worker_members:
+                setattr(draft, name, value)
+        return draft
 
     def _draft_extend_v1(self, batch: Any) -> Any:
         info = batch.spec_info
@@ -622,20 +667,35 @@ class World:
         batch.spec_info = "idle-draft-input"
 
     def _draft_extend_v2(self, args: dict[str, Any]) -> None:
-        """Records the inputs and emulates the select_index of _draft_extend_for_decode."""
+        """Records the inputs and emulates _draft_extend_for_decode: the draft worker's own
+        width (its ``speculative_num_draft_tokens``, as SGLang reads it), the select_index,
+        and the rebinding of batch fields its prepare_for_extend_to_fill_draft_kvcache does."""
         batch, result = args["batch"], args["batch_result"]
-        stride = self.worker.speculative_num_draft_tokens
+        draft = self.worker.draft_worker
+        width = getattr(
+            draft, "speculative_num_draft_tokens", self.worker.speculative_num_draft_tokens
+        )
         bs = len(batch.seq_lens)
-        select = torch.arange(bs) * stride + result.accept_lens - 1
+        select = torch.arange(bs) * width + result.accept_lens - 1
         self.recorder.add(
             "draft_extend_v2",
+            width=width,
+            steps=getattr(draft, "speculative_num_steps", None),
+            graph=getattr(draft, "cuda_graph_runner_for_draft_extend", None),
+            backend=getattr(draft, "draft_extend_attn_backend", None),
             out_cache_loc=batch.out_cache_loc.clone(),
+            seq_lens=batch.seq_lens.clone(),
             input_ids=result.next_token_ids.clone(),
             hidden=result.logits_output.hidden_states.clone(),
             selected_hidden=result.logits_output.hidden_states[select].clone(),
             selected_tokens=result.next_token_ids[select].clone(),
             kwargs={k: v for k, v in args.items() if k not in ("self", "batch", "batch_result")},
         )
+        batch.input_ids = result.next_token_ids
+        batch.seq_lens = batch.seq_lens + width
+        batch.forward_mode = "DRAFT_EXTEND_V2"
+        if self.fail_draft_extend_at_width == width:
+            raise RuntimeError(f"draft-extend failed at width {width}")
         draft_input = result.next_draft_input
         draft_input.hidden_states = result.logits_output.hidden_states[select]
 
@@ -671,6 +731,77 @@ class World:
             spec_info.allocate_lens = batch.seq_lens + 8
         batch.spec_info = spec_info
         return batch
+
+
+class DraftAttentionBackend:
+    """A draft-extend attention backend: the widths it read from the server args (as the
+    triton backend does in its __init__)."""
+
+    def __init__(self, server_args: Any, label: str) -> None:
+        self.label = label
+        self.speculative_num_steps = server_args.speculative_num_steps
+        self.num_draft_tokens = server_args.speculative_num_draft_tokens
+
+
+class DraftBackendFactory:
+    """SGLang's DraftBackendFactory: builds the draft-extend backend from the server args.
+
+    World binds a subclass per world (``world``), which records what it made.
+    """
+
+    world: Any = None
+
+    def __init__(self, server_args: Any, draft_runner: Any, topk: int, num_steps: int) -> None:
+        self.server_args = server_args
+
+    def create_draft_extend_backend(self) -> DraftAttentionBackend:
+        made = self.world.draft_backends_made
+        backend = DraftAttentionBackend(self.server_args, f"extend-{len(made)}")
+        made.append(backend)
+        return backend
+
+
+class DraftExtendGraphRunner:
+    """SGLang's EAGLEDraftExtendCudaGraphRunner: constructing it is capturing (recorded).
+
+    Its width is the server args' ``speculative_num_draft_tokens`` (0.5.13.post1's rule).
+    World binds a subclass per world: ``world.fail_extend_capture`` makes a construction
+    raise, ``world.extend_captures`` records what each one saw, ``replays`` the replays.
+    """
+
+    world: Any = None
+
+    def __init__(
+        self,
+        eagle_worker: Any,
+        *,
+        draft_extend_attn_backend: Any = None,
+        speculative_num_steps: int | None = None,
+    ) -> None:
+        args = eagle_worker.draft_runner.server_args
+        self.seen = {
+            "worker_width": eagle_worker.speculative_num_draft_tokens,
+            "worker_steps": eagle_worker.speculative_num_steps,
+            "args_width": args.speculative_num_draft_tokens,
+            "args_steps": args.speculative_num_steps,
+            "steps_kwarg": speculative_num_steps,
+            "backend": draft_extend_attn_backend,
+            "worker_backend": eagle_worker.draft_extend_attn_backend,
+            "cuda_graph_bs": list(getattr(args, "cuda_graph_bs", None) or []),
+        }
+        if self.world.fail_extend_capture is not None:
+            raise self.world.fail_extend_capture
+        self.num_tokens_per_bs = args.speculative_num_draft_tokens
+        self.capture_bs = self.seen["cuda_graph_bs"] or [1, 2, 4, 8]
+        self.disable_padding = False
+        self.forward_mode = "DRAFT_EXTEND_V2"
+        self.seq_len_fill_value = 1
+        self.replays: list[Any] = []
+        self.world.extend_captures.append(self)
+
+    def replay(self, forward_batch: Any) -> None:
+        draft = self.world.worker.draft_worker
+        self.replays.append((forward_batch, draft.speculative_num_draft_tokens))
 
 
 class _BatchBase:

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -506,6 +507,24 @@ V2_NEEDS: tuple[Need, ...] = (
         ("draft_owns_attention",),
         when=("draft_tp_owns", "owns_attention"),
     ),
+    # The width-1 draft-extend of fallback steps; any of these missing: the N-token one.
+    Need(
+        "draft_extend_graph_cls",
+        "module",
+        ("EAGLEDraftExtendCudaGraphRunner",),
+        optional=True,
+        why="captures the width-1 draft-extend graphs",
+    ),
+    Need("draft_backend_factory", "module", ("DraftBackendFactory",), optional=True),
+    Need(
+        "draft_extend_graph_attr",
+        "draft_worker",
+        ("cuda_graph_runner_for_draft_extend",),
+        optional=True,
+    ),
+    Need(
+        "draft_extend_backend_attr", "draft_worker", ("draft_extend_attn_backend",), optional=True
+    ),
 )
 
 NEEDS_BY_VARIANT: dict[str, tuple[Need, ...]] = {"v1": V1_NEEDS, "v2": V2_NEEDS}
@@ -580,6 +599,9 @@ class Adapter:
     # Globals of the module holding the verify body, and the needs resolved there.
     verify_globals: dict[str, Any] = dataclasses.field(default_factory=dict)
     verify_keys: frozenset[str] = frozenset()
+    # v2: the width-1 draft-extend graphs (None: fallback steps run the N-token one), and why.
+    draft_extend_width1: Width1DraftExtend | None = None
+    draft_extend_width1_note: str = ""
 
     def cls(self, key: str) -> Any:
         """The worker-module (or, for a ``verify_module`` need, verify-module) global."""
@@ -868,6 +890,9 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         return None
     adapter.profiler = _make_profiler(worker)
     _prepare_decode_graphs(adapter, worker, worker.target_worker)
+    if variant == "v2":
+        _prepare_draft_extend_width1(adapter, worker)
+    _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
 
@@ -963,6 +988,18 @@ def _graph_size_holders(args: Any, graph_bag: Any) -> list[tuple[Any, str]]:
     return holders
 
 
+def _graph_sizes_from(args: Any, min_batch_size: int) -> dict[str, Any]:
+    """``cuda_graph_bs`` cut to the sizes >= ``min_batch_size`` (a fallback step's sizes).
+
+    Empty when the server has no size list (0.4.x derives the sizes itself).
+    """
+    batch_sizes = getattr(args, "cuda_graph_bs", None)
+    if not isinstance(batch_sizes, list) or not batch_sizes:
+        return {}
+    above = sorted({b for b in batch_sizes if b >= min_batch_size})
+    return {"cuda_graph_bs": above or [max(batch_sizes)]}
+
+
 def capture_decode_graphs(
     model_runner: Any, graph_attr: str, min_batch_size: int, exec_config: Any = None
 ) -> tuple[DecodeGraphs | None, str]:
@@ -1055,6 +1092,460 @@ def target_decode_mode(model_runner: Any, graph_attr: str, graphs: DecodeGraphs 
         values = {graph_attr: graphs.runner, "attn_backend": graphs.attn_backend}
     with _attributes_set(model_runner, values):
         yield
+
+
+# --------------------------------------------------------------------------------------------
+# v2: the draft-extend of a fallback step at one token per request (width-1 graphs)
+# --------------------------------------------------------------------------------------------
+
+# "0" keeps the N-token draft-extend on fallback steps (the previous behaviour, for A/B runs).
+DRAFT_EXTEND_WIDTH1_ENV = "DYNSPEC_DRAFT_EXTEND_WIDTH1"
+# What the draft worker (and, while capturing, the server args) say for one token per request:
+# the values of SGLang's own steps-0 state (0.5.14+ ``build_adaptive_runtime_state``).
+WIDTH1_STATE: dict[str, int] = {"speculative_num_steps": 0, "speculative_num_draft_tokens": 1}
+# Attention-backend attributes that size the draft-extend metadata, and their width-1 values.
+_BACKEND_WIDTH1 = {"speculative_num_steps": 0, "num_draft_tokens": 1}
+
+
+@dataclass
+class Width1DraftExtend:
+    """SGLang's draft-extend CUDA graphs captured at one token per request."""
+
+    runner: Any
+    attn_backend: Any
+    batch_sizes: list[int]
+    # False under --disable-cuda-graph-padding: only the captured sizes replay.
+    pads_to_graph: bool = True
+    # Why a real step's width-1 call raised; set: the N-token draft-extend from then on.
+    broken: str = ""
+
+    def covers(self, batch_size: int) -> bool:
+        """Whether a batch of this size replays a width-1 graph (never SGLang's eager path)."""
+        if self.broken or not self.batch_sizes:
+            return False
+        if self.pads_to_graph:
+            return batch_size <= self.batch_sizes[-1]
+        return batch_size in self.batch_sizes
+
+
+def _server_args_objects(draft: Any) -> list[Any]:
+    """The server args of the draft worker and of its model runner, each object once."""
+    found: list[Any] = []
+    for args in (
+        getattr(draft, "server_args", None),
+        getattr(draft.draft_runner, "server_args", None),
+    ):
+        if args is not None and all(args is not seen for seen in found):
+            found.append(args)
+    return found
+
+
+def _captured_width(runner: Any) -> Any:
+    """Tokens per request a draft-extend graph runner captured (0.5.14+ names it first)."""
+    for name in ("captured_req_width", "num_tokens_per_bs"):
+        if hasattr(runner, name):
+            return getattr(runner, name)
+    return None
+
+
+def _new_draft_extend_runner(graph_cls: Any, draft: Any, backend: Any) -> Any:
+    """SGLang's draft-extend graph runner for ``draft`` on ``backend`` (this captures)."""
+    params = inspect.signature(graph_cls).parameters
+    kwargs: dict[str, Any] = {}
+    if "draft_extend_attn_backend" in params:  # 0.5.12+; older runners read the worker's
+        kwargs["draft_extend_attn_backend"] = backend
+    if "speculative_num_steps" in params:
+        kwargs["speculative_num_steps"] = WIDTH1_STATE["speculative_num_steps"]
+    return graph_cls(draft, **kwargs)
+
+
+def capture_draft_extend_width1(
+    draft: Any, graph_cls: Any, factory_cls: Any, min_batch_size: int
+) -> tuple[Width1DraftExtend | None, str]:
+    """Capture draft-extend graphs at one token per request; (None, why) if not possible.
+
+    SGLang's own graph runner class and attention-backend factory are called while the draft
+    worker and the server args say ``WIDTH1_STATE`` (as SGLang 0.5.14+ builds its steps-0
+    state under ``_override_worker_state``), on a second draft-extend attention backend, so the
+    N-token graphs and their buffers stay untouched; only for the graph batch sizes >=
+    ``min_batch_size``. Every attribute is restored afterwards, also when capture raises.
+    Called only where SGLang captured its own (N-token) draft-extend graphs.
+    """
+    args_objects = _server_args_objects(draft)
+    arg_values = {**WIDTH1_STATE, **_graph_sizes_from(args_objects[0], min_batch_size)}
+    with contextlib.ExitStack() as stack:
+        for args in args_objects:
+            stack.enter_context(_attributes_set(args, arg_values))
+        stack.enter_context(_attributes_set(draft, WIDTH1_STATE))
+        factory = factory_cls(
+            draft.server_args, draft.draft_runner, draft.topk, WIDTH1_STATE["speculative_num_steps"]
+        )
+        backend = factory.create_draft_extend_backend()
+        if backend is None:
+            return None, "SGLang made no draft-extend attention backend"
+        stack.enter_context(_attributes_set(draft, {"draft_extend_attn_backend": backend}))
+        runner = _new_draft_extend_runner(graph_cls, draft, backend)
+    width = _captured_width(runner)
+    if width != 1:
+        return None, f"the graph runner captured {width} tokens per request, not 1"
+    widths = {name: getattr(backend, name) for name in _BACKEND_WIDTH1 if hasattr(backend, name)}
+    if not widths:  # nothing to check it against: fail closed
+        return None, f"{type(backend).__name__} shows no draft-extend width to check"
+    for name, value in widths.items():
+        if value != _BACKEND_WIDTH1[name]:
+            return None, f"the new attention backend has {name}={value}"
+    sizes = sorted(int(b) for b in getattr(runner, "capture_bs", []))
+    pads = not getattr(runner, "disable_padding", False)
+    return Width1DraftExtend(runner, backend, sizes, pads_to_graph=pads), ""
+
+
+def _replays_draft_extend_graphs(draft: Any) -> bool:
+    """Whether the draft worker's ``_draft_extend_for_decode`` reads its graph runner.
+
+    0.5.5.post2 captures draft-extend graphs but its draft-extend never replays them: a
+    width-1 graph would only cost memory there.
+    """
+    try:
+        source = inspect.getsource(draft._draft_extend_for_decode)
+    except (OSError, TypeError):
+        return False
+    return "cuda_graph_runner_for_draft_extend" in source
+
+
+def _all_ranks_agree(tp_group: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of ``tp_group`` (one CPU all-reduce when TP > 1).
+
+    A rank that cannot ask the others answers False, as every rank of that server does.
+    """
+    if int(getattr(tp_group, "world_size", 1) or 1) <= 1:
+        return ok
+    cpu_group = getattr(tp_group, "cpu_group", None)
+    if cpu_group is None:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(flag[0])
+
+
+_WIDTH1_NEEDS = (
+    "draft_extend_graph_cls",
+    "draft_backend_factory",
+    "draft_extend_graph_attr",
+    "draft_extend_backend_attr",
+)
+
+
+def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
+    """Capture the width-1 draft-extend graphs once per process; failures keep the N-token one."""
+    if os.environ.get(DRAFT_EXTEND_WIDTH1_ENV, "1").strip() == "0":
+        adapter.draft_extend_width1_note = f"off ({DRAFT_EXTEND_WIDTH1_ENV}=0)"
+        return
+    draft = worker.draft_worker
+    started = time.perf_counter()
+    missing = [
+        n.candidates[0] for n in V2_NEEDS if n.key in _WIDTH1_NEEDS and not adapter.names[n.key]
+    ]
+    graphs: Width1DraftExtend | None = None
+    if missing:
+        why = "this SGLang lacks " + ", ".join(missing)
+    elif getattr(draft, "cuda_graph_runner_for_draft_extend", None) is None:
+        why = "this server runs its draft-extend without a CUDA graph"
+    elif not _replays_draft_extend_graphs(draft):
+        why = "this SGLang's _draft_extend_for_decode never replays a graph (0.5.5: eager)"
+    else:
+        try:
+            with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
+                graphs, why = capture_draft_extend_width1(
+                    draft,
+                    adapter.cls("draft_extend_graph_cls"),
+                    adapter.cls("draft_backend_factory"),
+                    adapter.controller.resume_below,
+                )
+        except Exception as exc:  # capture failed: stay correct with the N-token draft-extend
+            graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
+        if not _all_ranks_agree(draft.draft_runner.tp_group, graphs is not None) and graphs:
+            graphs, why = None, "another TP rank could not capture them"
+    if graphs is None:
+        adapter.draft_extend_width1_note = f"N-token draft-extend ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] width-1 draft-extend graphs not used: {why}; fallback steps run the "
+            f"{int(worker.speculative_num_draft_tokens)}-token draft-extend"
+        )
+        return
+    adapter.draft_extend_width1 = graphs
+    adapter.draft_extend_width1_note = f"width-1 draft-extend graphs for bs {graphs.batch_sizes}"
+    _rank0_logger(worker)(
+        f"[dynspec] captured width-1 draft-extend graphs for bs {graphs.batch_sizes} in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+
+
+@contextlib.contextmanager
+def draft_extend_width1_mode(draft: Any, graphs: Width1DraftExtend) -> Iterator[None]:
+    """The draft worker runs its draft-extend at one token per request for the block.
+
+    Its width, its draft-extend graph runner and attention backend are the width-1 ones; all
+    are back as they were afterwards, also when the block raises. The scheduler never sees the
+    swap: it reads the stride from the result or from ``EAGLEWorkerV2`` between steps.
+    """
+    values = {
+        **WIDTH1_STATE,
+        "cuda_graph_runner_for_draft_extend": graphs.runner,
+        "draft_extend_attn_backend": graphs.attn_backend,
+    }
+    with _attributes_set(draft, values):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Warm-up at start-up: what the first real replays would compile, compiled before them
+# --------------------------------------------------------------------------------------------
+
+# "0": no warm-up replays (the first fallback steps then compile what they need).
+WARMUP_ENV = "DYNSPEC_WARMUP"
+# No new warm-up replay starts after this many seconds (default 10).
+WARMUP_BUDGET_ENV = "DYNSPEC_WARMUP_BUDGET_S"
+DEFAULT_WARMUP_BUDGET_S = 10.0
+FORWARD_BATCH_MODULE = "sglang.srt.model_executor.forward_batch_info"
+
+
+def warmup_order(batch_sizes: list[int]) -> list[int]:
+    """The sizes to replay at warm-up, one of each Triton specialisation first.
+
+    A replay runs SGLang's eager attention-metadata kernels (the triton backend's
+    ``get_num_kv_splits_triton`` in DECODE mode, on int32 buffers no speculative step hands
+    it), and Triton compiles a kernel once per specialisation of its integer arguments (== 1,
+    divisible by 16) and of its block constant (``MAX_NUM_SEQ``: 256 or the next power of two
+    above). One size of each class first: a budget that runs out then skips only sizes whose
+    kernels are already compiled.
+    """
+
+    def key(bs: int) -> tuple[bool, bool, int]:
+        return bs == 1, bs % 16 == 0, max(256, 1 << (bs - 1).bit_length())
+
+    firsts: list[int] = []
+    rest: list[int] = []
+    seen: set[tuple[bool, bool, int]] = set()
+    for bs in sorted(set(batch_sizes)):
+        (rest if key(bs) in seen else firsts).append(bs)
+        seen.add(key(bs))
+    return firsts + rest
+
+
+class _PaddingBatch:
+    """Attributes of a warm-up batch where SGLang has no dataclass to hold them.
+
+    A field that is not set reads as None, as in a batch that leaves it unset.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def _dataclass_instance(cls: Any, values: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` with ``values``, every other field at its default
+    (None where it has none), without running its ``__init__`` / ``__post_init__``."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+def _padding_batch(runner: Any, bs: int, device: Any, forward_mode: Any, **extra: Any) -> Any:
+    """A forward batch of ``bs`` padding rows only, for a warm-up replay of ``runner``.
+
+    Each row reads request-pool row 0 for ``seq_len_fill_value`` tokens and writes its KV to
+    slot 0, which SGLang reserves for padding: what the padded rows of every real replay do.
+    It is SGLang's own ForwardBatch (every other field at its default) where there is one.
+    """
+    import torch
+
+    fill = int(getattr(runner, "seq_len_fill_value", 1) or 1)
+
+    def zeros() -> Any:
+        return torch.zeros(bs, dtype=torch.int64, device=device)
+
+    values = {
+        "forward_mode": forward_mode,
+        "batch_size": bs,
+        "input_ids": zeros(),
+        "req_pool_indices": zeros(),
+        "seq_lens": torch.full((bs,), fill, dtype=torch.int64, device=device),
+        "seq_lens_cpu": torch.full((bs,), fill, dtype=torch.int64),
+        "seq_lens_sum": bs * fill,
+        "out_cache_loc": zeros(),
+        "positions": zeros(),
+        "num_token_non_padded": torch.tensor(bs, dtype=torch.int32, device=device),
+        **extra,
+    }
+    forward_batch_cls = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardBatch", None)
+    if dataclasses.is_dataclass(forward_batch_cls):
+        return _dataclass_instance(forward_batch_cls, values)
+    return _PaddingBatch(**values)
+
+
+def _padding_hidden(runner: Any, rows: int) -> Any:
+    """Zero hidden states as wide as a draft-extend graph's input buffer (None: unknown)."""
+    buffers = getattr(runner, "buffers", runner)
+    buffer = getattr(buffers, "hidden_states", None)
+    if buffer is None or not hasattr(buffer, "new_zeros"):
+        return None
+    return buffer.new_zeros((rows, *buffer.shape[1:]))
+
+
+def _forward_mode(name: str) -> Any:
+    """SGLang's ForwardMode member ``name``."""
+    modes = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardMode", None)
+    return getattr(modes, name)
+
+
+def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """(kind, call) for every warm-up step, in order: clamp_position, DECODE, width-1 extend."""
+    import torch
+
+    target_runner = worker.target_worker.model_runner
+    device = getattr(target_runner, "device", "cuda")
+    replays: list[tuple[str, Callable[[], Any]]] = []
+    decode = adapter.decode_graphs
+    if decode is not None:
+        # The fallback's DECODE ForwardBatch.init_new computes positions with clamp_position, a
+        # JIT kernel (0.5.10+; torch.compile before) that no speculative step calls.
+        clamp = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "clamp_position", None)
+        if clamp is not None:
+            rows = max([2, *decode.batch_sizes])  # > 1: torch.compile specialises 0 and 1
+            seq_lens = torch.full((rows,), 2, dtype=torch.int64, device=device)
+            replays.append(("clamp_position", functools.partial(clamp, seq_lens)))
+        graph_attr = adapter.name("graph_attr")
+        # The runner's own modes (IntEnums: NULL is 0, so no ``or``): no recapture at warm-up.
+        mode = getattr(decode.runner, "capture_forward_mode", None)
+        if mode is None:
+            mode = _forward_mode("DECODE")
+        hidden_mode = getattr(decode.runner, "capture_hidden_mode", None)
+        if hidden_mode is None:
+            hidden_mode = adapter.cls("capture_mode_cls").FULL
+
+        def replay_decode(bs: int) -> None:
+            batch = _padding_batch(
+                decode.runner, bs, device, mode, capture_hidden_mode=hidden_mode, spec_info=None
+            )
+            with target_decode_mode(target_runner, graph_attr, decode):
+                decode.runner.replay(batch)
+
+        replays += [
+            ("DECODE", functools.partial(replay_decode, bs))
+            for bs in warmup_order(decode.batch_sizes)
+        ]
+    width1 = adapter.draft_extend_width1
+    if width1 is not None:
+        draft = worker.draft_worker
+
+        def replay_extend(bs: int) -> None:
+            spec_info = _PaddingBatch(hidden_states=_padding_hidden(width1.runner, bs))
+            batch = _padding_batch(
+                width1.runner, bs, device, width1.runner.forward_mode, spec_info=spec_info
+            )
+            contexts = _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group)
+            with contexts, draft_extend_width1_mode(draft, width1):
+                width1.runner.replay(batch)
+
+        replays += [
+            ("width-1 draft-extend", functools.partial(replay_extend, bs))
+            for bs in warmup_order(width1.batch_sizes)
+        ]
+    return replays
+
+
+def run_warmup(
+    replays: list[tuple[str, Callable[[], Any]]],
+    budget_s: float,
+    stop_together: Callable[[bool], bool],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, list[str], str]:
+    """Run ``replays`` in order; (how many ran, what raised, why it stopped early or "").
+
+    No replay starts after ``budget_s`` seconds. One that raises is reported and the others
+    still run (what it would have compiled then compiles at its first real use).
+    ``stop_together(flag)`` answers whether any rank wants to stop, so every TP rank stops
+    before the same replay (a replay of a TP model runs collectives; time differs by rank).
+    """
+    started = clock()
+    done, errors = 0, []
+    for kind, call in replays:
+        late = clock() - started > budget_s
+        if stop_together(late):
+            why = f"the {budget_s:g}s budget ran out" if late else "another TP rank stopped"
+            return done, errors, why
+        try:
+            call()
+        except Exception as exc:  # never break the server
+            errors.append(f"a {kind} replay raised {type(exc).__name__}: {exc}")
+        else:
+            done += 1
+    return done, errors, ""
+
+
+def _warmup_budget() -> float:
+    raw = os.environ.get(WARMUP_BUDGET_ENV, "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_WARMUP_BUDGET_S
+    except ValueError:
+        return DEFAULT_WARMUP_BUDGET_S
+
+
+def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
+    """Replay each graph a fallback step uses once, at start-up (bounded; one log line)."""
+    if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
+        return
+    if os.environ.get(WARMUP_ENV, "1").strip() == "0":
+        return
+    started = time.perf_counter()
+    budget = _warmup_budget()
+    tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
+    try:
+        replays = _warmup_replays(adapter, worker)
+        done, errors, why = run_warmup(
+            replays, budget, lambda stop: not _all_ranks_agree(tp_group, not stop)
+        )
+        _synchronize(getattr(worker.target_worker.model_runner, "device", "cpu"))
+    except Exception as exc:  # building the replays failed: the first real steps compile
+        replays, done, errors, why = [], 0, [f"{type(exc).__name__}: {exc}"], ""
+    counts = collections.Counter(kind for kind, _ in replays)
+    kinds = ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+    line = (
+        f"[dynspec] warm-up replays at start-up: {done}/{len(replays)} ok ({kinds}) in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+    if errors:
+        line += f"; {len(errors)} raised, the first: {errors[0]}"
+    if why:
+        line += f"; stopped early: {why}"
+    level = logging.WARNING if errors or why else logging.INFO
+    _rank0_logger(worker, level)(line)
+
+
+def _synchronize(device: Any) -> None:
+    """Wait for the warm-up's device work (start-up only; never inside a step)."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cpu":
+        torch.get_device_module(kind).synchronize()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1197,21 +1688,12 @@ def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu
         "vi_draft_token_num": 1,
         "vi_capture_mode": adapter.cls("capture_mode_cls").FULL,
         "vi_topk": 1,
-        # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does
-        # (no device sync where the scheduler sent no CPU lengths, as in 0.5.17+).
-        "vi_seq_lens_sum": _one_node_seq_lens_sum(batch, seq_lens_cpu),
+        # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does.
+        "vi_seq_lens_sum": _host_seq_lens_sum(batch, seq_lens_cpu, 0),
         "vi_seq_lens_cpu": seq_lens_cpu,
     }
     kwargs = {names[k]: v for k, v in values.items() if names.get(k) is not None}
     return adapter.cls("verify_input_cls")(**kwargs)
-
-
-def _one_node_seq_lens_sum(batch: Any, seq_lens_cpu: Any) -> int | None:
-    if seq_lens_cpu is not None:
-        return int(seq_lens_cpu.sum())
-    if hasattr(batch, "seq_lens_sum") and batch.seq_lens_sum is None:
-        return None
-    return int(batch.seq_lens.sum())
 
 
 def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
@@ -1443,9 +1925,9 @@ def _v2_step(
     decode_batch.out_cache_loc = slots[:, 0].contiguous()
     decode_batch.seq_lens = batch.seq_lens + 1
     seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
-    decode_batch.seq_lens_sum = _plus_one_sum(batch, seq_lens_cpu, bs)
     if seq_lens_cpu is not None:
         decode_batch.seq_lens_cpu = seq_lens_cpu + 1
+    decode_batch.seq_lens_sum = _host_seq_lens_sum(batch, seq_lens_cpu, bs)
     decode_batch.spec_info = None
     decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
     adapter.profiler.mark("prepare")
@@ -1458,12 +1940,14 @@ def _v2_step(
     predict, accept_lens = _v2_sample(adapter, vi, batch, logits_output, grammar_barrier)
     adapter.profiler.mark("sample")
 
-    # 3) pad back to the stride the scheduler and the draft-extend graph read
-    padded_tokens = predict.new_zeros(bs * stride)
-    padded_tokens[::stride] = predict
+    # 3) the result, padded to the stride N where the scheduler reads the worker's stride (or
+    #    the width-1 draft-extend is off); unpadded where it travels on the result
     hidden = logits_output.hidden_states
-    padded_hidden = hidden.new_zeros((bs * stride, hidden.shape[1]))
-    padded_hidden[::stride] = hidden
+    width1 = adapter.draft_extend_width1
+    if width1 is not None and not width1.covers(bs):
+        width1 = None
+    out_stride = 1 if width1 is not None and adapter.names["gbr_stride"] is not None else stride
+    tokens = predict if out_stride == 1 else _rows_padded(predict, stride)
     if batch.return_logprob:
         _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
     new_seq_lens = batch.seq_lens + accept_lens
@@ -1471,38 +1955,120 @@ def _v2_step(
         adapter,
         draft_input,
         logits_output,
-        padded_tokens,
+        tokens,
         accept_lens,
         new_seq_lens,
         can_run_graph,
-        stride,
+        out_stride,
         keep_alive=decode_batch,
     )
     if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
         on_publish(new_seq_lens)
     adapter.profiler.mark("pad_result")
 
-    # 4) draft KV sync with the existing N-token draft-extend; only row i*N is real
-    batch.out_cache_loc = slots.reshape(-1)
-    logits_output.hidden_states = padded_hidden
-    draft = worker.draft_worker
-    with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
-        draft._draft_extend_for_decode(batch, result)
-    adapter.profiler.mark("draft_extend")
+    # 4) draft KV sync: the width-1 draft-extend, else the N-token one (only row i*N is real)
+    phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
+    adapter.profiler.mark(phase)
     return result
 
 
-def _plus_one_sum(batch: Any, seq_lens_cpu: Any, bs: int) -> int | None:
-    """The sum of ``seq_lens + 1`` without a device sync; None where the scheduler has none.
+def _host_seq_lens_sum(batch: Any, seq_lens_cpu: Any, extra: int) -> int | None:
+    """``sum(seq_lens) + extra`` from what SGLang keeps on the host: no device sync.
 
-    0.5.17+ with a backend that needs no CPU lengths (Triton) hands over neither
-    ``seq_lens_cpu`` nor ``seq_lens_sum``; the forward then works without them.
+    Its CPU copy of seq_lens (every v2 release up to 0.5.12.post1 has one), else its int
+    ``seq_lens_sum``; None when it keeps neither, as 0.5.13's sync-free decode itself does.
     """
     if seq_lens_cpu is not None:
-        return int(seq_lens_cpu.sum()) + bs
-    if hasattr(batch, "seq_lens_sum") and batch.seq_lens_sum is None:
-        return None
-    return int(batch.seq_lens.sum()) + bs
+        return int(seq_lens_cpu.sum()) + extra
+    total = getattr(batch, "seq_lens_sum", None)
+    return total + extra if isinstance(total, int) else None
+
+
+def _rows_padded(rows: Any, stride: int) -> Any:
+    """``rows`` at rows 0, stride, 2 * stride, ... of zeros ``stride`` times as long."""
+    padded = rows.new_zeros((rows.shape[0] * stride, *rows.shape[1:]))
+    padded[::stride] = rows
+    return padded
+
+
+def _result_view(result: Any, tokens: Any, hidden: Any) -> Any:
+    """A shallow copy of ``result`` whose draft-extend inputs are ``tokens`` and ``hidden``.
+
+    Its ``next_draft_input`` is the result's own, so the draft-extend fills the one the
+    scheduler gets.
+    """
+    view = copy.copy(result)
+    view.logits_output = copy.copy(result.logits_output)
+    view.logits_output.hidden_states = hidden
+    view.next_token_ids = tokens
+    return view
+
+
+def _v2_draft_extend(
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    result: Any,
+    slots: Any,
+    predict: Any,
+    hidden: Any,
+    width1: Width1DraftExtend | None,
+) -> str:
+    """Keep the draft KV warm through the draft worker's own draft-extend; the phase it ran."""
+    draft = worker.draft_worker
+    stride = int(worker.speculative_num_draft_tokens)
+    with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
+        if width1 is not None and _draft_extend_width1_step(
+            worker, draft, batch, result, slots, predict, hidden, width1
+        ):
+            return "draft_extend_w1"
+        batch.out_cache_loc = slots.reshape(-1)
+        if result.next_token_ids.shape[0] == predict.shape[0] * stride:
+            result.logits_output.hidden_states = _rows_padded(hidden, stride)
+            draft._draft_extend_for_decode(batch, result)
+        else:  # an unpadded (stride-1) result whose width-1 draft-extend just failed
+            wide = _result_view(result, _rows_padded(predict, stride), _rows_padded(hidden, stride))
+            draft._draft_extend_for_decode(batch, wide)
+    return "draft_extend"
+
+
+def _draft_extend_width1_step(
+    worker: Any,
+    draft: Any,
+    batch: Any,
+    result: Any,
+    slots: Any,
+    predict: Any,
+    hidden: Any,
+    width1: Width1DraftExtend,
+) -> bool:
+    """The draft-extend at one token per request; False when it raised (the batch restored).
+
+    Each request's one real token goes in at position L, slot L, with the target's hidden
+    state of L: row i * N of the N-token draft-extend. Its ``accept_lens`` (1) select that row,
+    so the next draft input gets the same topk and hidden state. After a failure every later
+    step runs the N-token draft-extend (one warning).
+    """
+    if not hasattr(batch, "__dict__"):
+        return False
+    snapshot = dict(vars(batch))  # prepare_for_extend_to_fill_draft_kvcache rebinds fields
+    narrow = result
+    if result.next_token_ids.shape[0] != predict.shape[0]:
+        narrow = _result_view(result, predict, hidden)
+    batch.out_cache_loc = slots[:, 0].contiguous()
+    try:
+        with draft_extend_width1_mode(draft, width1):
+            draft._draft_extend_for_decode(batch, narrow)
+    except Exception as exc:  # stay correct: the N-token draft-extend redoes the same rows
+        vars(batch).clear()
+        vars(batch).update(snapshot)
+        width1.broken = f"{type(exc).__name__}: {exc}"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] width-1 draft-extend failed at bs={predict.shape[0]} ({width1.broken}); "
+            "fallback steps run the N-token draft-extend from now on"
+        )
+        return False
+    return True
 
 
 def _v2_sample(
