@@ -109,6 +109,8 @@ def test_capture_sees_the_width1_state_on_a_new_backend(shapes, version, caplog)
         ("capture_raises", "capture failed: RuntimeError: CUDA out of memory"),
         ("wrong_width", "the graph runner captured 4 tokens per request, not 1"),
         ("no_graphs", "without a CUDA graph"),
+        ("backend_shows_no_width", "Opaque shows no draft-extend width to check"),
+        ("another_rank_failed", "another TP rank could not capture them"),
     ],
 )
 def test_no_width1_graphs_keeps_the_n_token_draft_extend(shapes, change, reason, caplog):
@@ -126,6 +128,15 @@ def test_no_width1_graphs_keeps_the_n_token_draft_extend(shapes, change, reason,
 
         FixedWidth.world = world
         world.module.EAGLEDraftExtendCudaGraphRunner = FixedWidth
+    elif change == "backend_shows_no_width":
+
+        class Opaque:  # a backend that keeps its widths to itself: nothing to check
+            pass
+
+        world.module.DraftBackendFactory.create_draft_extend_backend = lambda self: Opaque()
+    elif change == "another_rank_failed":
+        # TP 2 without a CPU group to agree over: no rank may use what it cannot agree on.
+        world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
     else:
         world.worker.draft_worker.cuda_graph_runner_for_draft_extend = None
 

@@ -161,6 +161,7 @@ def test_spec_fallback_spec_cycle_through_the_real_speculative_path(v2_case, dri
 GRAPH_BS = [1, 2, 4]  # harness/drive.py GRAPH_BS: a batch of 3 replays the size-4 graph
 GRAPHS_REPLAYED = ("0.5.10.post1", "0.5.12.post1")  # 0.5.5.post2: its draft-extend is eager
 STRIDE_ON_RESULT = {"0.5.10.post1": False, "0.5.12.post1": True}
+N_TOKEN_BACKEND, WIDTH1_BACKEND = "draft-extend-0", "draft-extend-1"  # cpu_graphs labels
 
 
 def _graphs(drive: Any, case: Any, part: str) -> dict[str, Any]:
@@ -207,10 +208,12 @@ def test_warmup_replays_padding_rows_through_the_real_replay(v2_case, drive):
         # What the real replay_prepare put into the graph's buffers: padding rows only.
         assert replay["req_pool_indices"] == [0] * bs and replay["seq_lens"] == [1] * bs
         assert replay["out_cache_loc"] == [0] * bs and replay["input_ids"] == [0] * bs
-        assert replay["attn_backend"] == "target-decode" and replay["attn_metadata_calls"] == n
+        assert replay["attn_metadata_of"] == "target-decode"  # the DECODE graphs' own backend
+        assert replay["attn_metadata_calls"] == n
     warmups = graphs["width1"]["replays"][:3]
     assert [(r["bs"], r["raw_bs"], r["width"]) for r in warmups] == [(1, 1, 1), (2, 2, 1),
                                                                      (4, 4, 1)]
+    assert {r["attn_metadata_of"] for r in warmups} == {WIDTH1_BACKEND}
     (first_step,) = _graphs(drive, v2_case, "steps_graphs")["steps"][:1]
     for call in first_step["draft_calls"][:3]:  # the warm-up's draft forwards: slot 0 only
         assert set(call["out_cache_loc"]) == {0} and set(call["seq_lens"]) == {1}
@@ -259,6 +262,8 @@ def test_fallback_steps_replay_the_width1_draft_extend(v2_case, drive, toy):
     if release.version in GRAPHS_REPLAYED:
         replays = report["graphs"]["width1"]["replays"][3:]  # after the warm-up's three
         assert [r["raw_bs"] for r in replays] == [len(s["before"]["rids"]) for s in steps]
+        # Its metadata went to the width-1 backend (0.5.10 reads the worker's attribute).
+        assert {r["attn_metadata_of"] for r in replays} == {WIDTH1_BACKEND}
         assert report["graphs"]["n_token_replays"] == []
         assert report["graphs"]["width1"]["broken"] == ""
 
@@ -296,3 +301,5 @@ def test_cycle_resumes_exactly_after_width1_fallback_steps(v2_case, drive, toy):
     n_token = graphs["n_token_replays"]
     assert len(n_token) == spec_before + spec_after
     assert all(r["width"] == NUM_DRAFT_TOKENS for r in n_token)
+    assert {r["attn_metadata_of"] for r in n_token} == {N_TOKEN_BACKEND}
+    assert {r["attn_metadata_of"] for r in width1} == {WIDTH1_BACKEND}

@@ -23,9 +23,12 @@ from typing import Any, ClassVar
 import torch
 from cpu_device import CudaAsCpu
 
+METADATA_CALLS: list[str] = []  # the label of each backend's replay-metadata call, in order
+
 
 class MetadataOnlyBackend:
-    """A draft-extend attention backend without kernels: what it was built with, recorded."""
+    """An attention backend without kernels: what it was built with, and its replay-metadata
+    calls (``METADATA_CALLS``), recorded."""
 
     def __init__(self, server_args: Any, label: str) -> None:
         self.label = label
@@ -50,6 +53,7 @@ class MetadataOnlyBackend:
 
     def init_forward_metadata_replay_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
         self.replay_metadata_calls += 1
+        METADATA_CALLS.append(self.label)
 
 
 class CpuDraftBackendFactory:
@@ -94,7 +98,14 @@ class CpuGraph:
         probs = torch.softmax(out.next_token_logits, dim=-1)
         out.topk_p, out.topk_index = probs.topk(runner.topk, dim=-1)
         runner.output_buffers[bs] = out
-        runner.replayed.append({"bs": bs, "raw_bs": runner.raw_bs, "width": captured_width(runner)})
+        runner.replayed.append(
+            {
+                "bs": bs,
+                "raw_bs": runner.raw_bs,
+                "width": captured_width(runner),
+                "attn_metadata_of": METADATA_CALLS[-1] if METADATA_CALLS else None,
+            }
+        )
 
 
 def cpu_graph_runner_class(real_cls: Any) -> Any:
@@ -131,10 +142,8 @@ class DecodeCpuGraph:
             "out_cache_loc": buffers.out_cache_loc[:bs].tolist(),
             "positions": buffers.positions[:bs].tolist(),
             # 0.5.12+ keep the backend they were built with; older ones read the runner's.
-            "attn_backend": getattr(runner, "attn_backend", runner.model_runner.attn_backend).label,
-            "attn_metadata_calls": getattr(
-                runner, "attn_backend", runner.model_runner.attn_backend
-            ).replay_metadata_calls,
+            "attn_metadata_of": METADATA_CALLS[-1] if METADATA_CALLS else None,
+            "attn_metadata_calls": len(METADATA_CALLS),
         })
         logits_cls = sys.modules["sglang.srt.layers.logits_processor"].LogitsProcessorOutput
         config = runner.model_runner.model_config
@@ -215,6 +224,7 @@ def install(release: Any, worker: Any, cuda_graph_bs: list[int]) -> dict[str, An
     module.EAGLEDraftExtendCudaGraphRunner = runner_cls
     module.DraftBackendFactory = CpuDraftBackendFactory
     CpuDraftBackendFactory.made = []
+    METADATA_CALLS.clear()
     args = worker.server_args
     args.cuda_graph_bs = list(cuda_graph_bs)
     draft = worker.draft_worker
