@@ -26,6 +26,8 @@ from rich.text import Text
 
 from dynspec_patch.patcher import checks, local
 from dynspec_patch.patcher.engine import (
+    DEFAULT_ROUTE,
+    ROUTES,
     Plan,
     plan_apply,
     plan_revert,
@@ -124,6 +126,14 @@ RouterWorkerUrl = Annotated[
                  "(default: http://HOST:PORT)."),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+RouteOption = Annotated[
+    str | None,
+    typer.Option(
+        "--route",
+        help=f"{' | '.join(ROUTES)}: SGLang 0.5.14+ offer both (default {DEFAULT_ROUTE}); "
+        "native writes an --speculative-adaptive config instead of patching.",
+    ),
+]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
 
 
@@ -298,9 +308,10 @@ def _print_details(details: Mapping[str, Any]) -> None:
 
 
 def _summary(plan: Plan) -> None:
+    offered = f" (this release offers: {', '.join(plan.routes)})" if len(plan.routes) > 1 else ""
     out.print(
         Text(
-            f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}",
+            f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}{offered}",
             style="bold",
         )
     )
@@ -383,7 +394,7 @@ def detect_path(
         _render_remote(_remote().detect_path(options, pid=pid, port=port), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
+    plan = _local_status(package)
     extra = {
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
@@ -392,6 +403,12 @@ def detect_path(
         "recommended": _recommendation(plan, package),
     }
     _finish(plan, as_json, extra=extra)
+
+
+def _local_status(package: Path) -> Plan:
+    """``plan_status`` of a local tree; the native route counts as applied where its config is."""
+    native = local.native_config_path(package).exists()
+    return plan_status(local.read_snapshot(package), native_applied=native)
 
 
 def _runtime_fit(package: Path, plan: Plan) -> str:
@@ -409,7 +426,7 @@ def _recommendation(plan: Plan, package: Path) -> str:
     if plan.route == "unsupported":
         return "none: this release cannot be patched"
     if plan.route == "native":
-        return f"dynspec-patch apply {root} --threshold 8  (8: the batch size to stop above)"
+        return f"dynspec-patch apply {root} --route native --threshold 8  (8: stop above bs 8)"
     if any(f.state_before == "unknown" for f in plan.files):
         return "none: inspect the unknown files; dynspec-patch refuses to touch them"
     if all(f.state_before == "patched" for f in plan.files):
@@ -478,11 +495,12 @@ def apply(
     ] = None,
     router: RouterUrl = None,
     router_worker_url: RouterWorkerUrl = None,
+    route: RouteOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
     _check_scope(ctx, host, sglang_root)
-    validate_options(threshold=threshold, num_steps=num_steps, worker=worker)
+    validate_options(threshold=threshold, num_steps=num_steps, worker=worker, route=route)
     if host is not None:
         result = _remote().apply(
             _host_options(
@@ -499,6 +517,7 @@ def apply(
             commit_image=commit_image,
             rotation=_rotation(host, router, router_worker_url),
             on_progress=_progress(as_json),
+            route=route,
         )
         _render_remote(result, as_json, dry_run, host=host)
         return
@@ -513,11 +532,12 @@ def apply(
             num_steps=num_steps,
             native_config_path=config_path,
             recorded=local.recorded_files(package),
+            route=route,
         )
 
     extra: dict[str, Any] = {}
     preview = plan_status(local.read_snapshot(package))
-    if preview.route == "patch":
+    if preview.route == "patch" and route != "native":
         # The patch is harmless where the runtime lacks a name (it stays off), but useless.
         extra["runtime"] = _runtime_fit(package, preview)
     _locked_write(package, make_plan, as_json, dry_run, extra)
@@ -580,7 +600,7 @@ def revert(
         _render_remote(result, as_json, dry_run, host=host)
         return
     package = _package(sglang_root)
-    if plan_status(local.read_snapshot(package)).route == "native":
+    if _local_status(package).route == "native":
         _revert_native(package, as_json, dry_run)
         return
 
@@ -636,7 +656,7 @@ def status(
         _render_remote(_remote().status(options), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
+    plan = _local_status(package)
     manifest = local.read_manifest(package)
     extra = {
         "sglang_dir": str(package),

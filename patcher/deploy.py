@@ -226,7 +226,8 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
     if facts.interrupted:
         return "a commit was interrupted: run apply or revert to finish it (both recover first)"
     if plan.route == "native":
-        return "dynspec-patch apply --host H --threshold N (native --speculative-adaptive config)"
+        return ("dynspec-patch apply --host H --route native --threshold N "
+                "(native --speculative-adaptive config)")
     if state in ("unknown", "mixed"):
         return "inspect the files marked unknown; dynspec-patch refuses to guess"
     if state == "patched" and facts.pending:
@@ -242,24 +243,32 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
 # --------------------------------------------------------------------------- commands
 
 
+def _status_plan(facts: HostFacts) -> Plan:
+    """``plan_status`` of the host's tree; native counts as applied where our config is."""
+    native = facts.state_files.get(CONFIG_FILE_NAME) is not None
+    return plan_status(facts.snapshot, native_applied=native)
+
+
 def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
-    facts = gather(s.agent, pid=pid, port=port, lock=False, docker=s.docker.to_args())
+    facts = gather(s.agent, pid=pid, port=port, lock=False, state_files=[CONFIG_FILE_NAME],
+                   docker=s.docker.to_args())
     choose_server(facts, required=False)
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
                 "recommended": "sglang not found on the host"}
-    plan = plan_status(facts.snapshot)
+    plan = _status_plan(facts)
     state = host_state(facts, plan)
     return {**describe(facts, s.conn), "host_state": state,
             "recommended": recommendation(facts, plan, state), "plan": plan}
 
 
 def status(s: Session) -> dict[str, Any]:
-    facts = gather(s.agent, pid=None, port=None, lock=False, docker=s.docker.to_args())
+    facts = gather(s.agent, pid=None, port=None, lock=False, state_files=[CONFIG_FILE_NAME],
+                   docker=s.docker.to_args())
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors)}
-    plan = plan_status(facts.snapshot)
+    plan = _status_plan(facts)
     judged = tree_state(plan, facts.manifest, facts.snapshot)
     state = judged.state
     info = facts.selected.info if facts.selected else None
@@ -457,7 +466,8 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
           restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0,
           commit_image: str | None = None,
-          before_restart: BeforeRestart | None = None) -> dict[str, Any]:
+          before_restart: BeforeRestart | None = None,
+          route: str | None = None) -> dict[str, Any]:
     if commit_image is not None:
         container.check_tag(commit_image)
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
@@ -472,7 +482,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         cuda_graph_bs=bs if isinstance(bs, list) else None,
         native_config_path=config_path,
         recorded=facts.manifest.by_path() if facts.manifest else {},
-        server_args=eff, server_argv=server.argv if server else (),
+        server_args=eff, server_argv=server.argv if server else (), route=route,
     )
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run}
     native_change: FileChange | None = None
@@ -543,7 +553,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restore_originals: bool = False) -> dict[str, Any]:
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart,
                                                      originals=restore_originals)
-    route = plan_status(facts.snapshot).route
+    route = _status_plan(facts).route
     if route == "native":
         old = facts.state_files.get(CONFIG_FILE_NAME)
         files: tuple[FileChange, ...] = ()

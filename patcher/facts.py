@@ -190,7 +190,7 @@ class EffectiveArgs:
 
 @dataclass(frozen=True)
 class LiveWorker:
-    worker: str  # v1 | v2 | native | none
+    worker: str  # v1 | v2 | none
     evidence: tuple[str, ...]
     source: str
 
@@ -213,11 +213,8 @@ def decide_live_worker(version: str | None, effective: EffectiveArgs | None) -> 
         return LiveWorker("none", (*ev, "release unknown"), src)
     if not at_least(version, "0.4.1.post4"):
         return LiveWorker("none", (*ev, "EAGLE arrived in 0.4.1.post4"), src)
-    if at_least(version, "0.5.14"):
-        return LiveWorker("native", (*ev, "0.5.14+: EAGLEWorkerV2 with native steps-0 "
-                                          "adaptive speculation"), src)
     if at_least(version, "0.5.13"):
-        return LiveWorker("v2", (*ev, "0.5.13: EAGLEWorkerV2 always"), src)
+        return LiveWorker("v2", (*ev, "0.5.13+: EAGLEWorkerV2 always"), src)
     if at_most(version, "0.5.3.post1"):
         return LiveWorker("v1", (*ev, "≤0.5.3.post1: EAGLEWorker only"), src)
     if values.get("enable_multi_layer_eagle"):

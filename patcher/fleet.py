@@ -101,6 +101,7 @@ class HostTask:
     state: str = "present"  # present | absent
     threshold: int | None = None
     worker: str = "auto"
+    route: str | None = None  # patch | native (None: the release's default)
     restart: bool = True
     restart_cmd: str | None = None
     health_timeout: float = 1200.0
@@ -141,6 +142,7 @@ def _module_result(out: dict[str, Any], *, check_mode: bool, diff: bool,
         "rolled_back": False,
         "sglang_version": plan.sglang_version,
         "route": plan.route,
+        "routes": list(plan.routes),
         "reason": plan.reason,
         "live_worker": out.get("live_worker"),
         "live_worker_source": out.get("live_worker_source"),
@@ -195,7 +197,8 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
         "health_timeout": task.health_timeout, "stop_timeout": task.stop_timeout,
     }
     if task.state == "present":
-        operation, extra = deploy.apply, {"threshold": task.threshold, "worker": task.worker}
+        operation, extra = deploy.apply, {
+            "threshold": task.threshold, "worker": task.worker, "route": task.route}
     else:
         operation, extra = deploy.revert, {"force": task.force}
     conn = Connection(target, accept_new_host_key=accept_new_host_key or

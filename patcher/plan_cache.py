@@ -80,6 +80,7 @@ def _encode(plan: Plan) -> dict[str, Any]:
         "server_flags": list(plan.server_flags),
         "patchable_workers": list(plan.patchable_workers),
         "refusal": plan.refusal,
+        "routes": list(plan.routes),
     }
 
 
@@ -94,7 +95,7 @@ def _decode(data: Mapping[str, Any], snapshot: Snapshot) -> Plan:
                                 f["action"], f["reason"], original))
     return Plan(data["operation"], data["sglang_version"], data["route"], data["reason"],
                 tuple(files), None, tuple(data["server_flags"]),
-                tuple(data["patchable_workers"]), data["refusal"])
+                tuple(data["patchable_workers"]), data["refusal"], tuple(data["routes"]))
 
 
 def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | None = None,
@@ -103,23 +104,26 @@ def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | N
                native_config_path: str = CONFIG_FILE_NAME,
                recorded: Mapping[str, FileRecord] | None = None,
                server_args: Mapping[str, object] | None = None,
-               server_argv: Sequence[str] = ()) -> Plan:
+               server_argv: Sequence[str] = (), route: str | None = None) -> Plan:
     """``engine.plan_apply``, planned once per key on this machine (same arguments).
 
-    ``server_args``/``server_argv`` only decide native-route refusals, and native plans are
-    never stored, so they are not part of the key."""
+    Of ``server_args``/``server_argv`` a patch-route plan depends only on whether the server
+    runs SGLang's own adaptive speculation (the key holds that); the rest decides native-route
+    refusals, and native plans are never stored."""
     recorded = recorded or {}
     # native_config_path differs per host and only the native route (cheap, never stored)
     # uses it, like num_steps and cuda_graph_bs
     params = {"op": "apply", "worker": worker, "live_worker": live_worker,
-              "threshold": threshold}
+              "threshold": threshold, "route": route,
+              "sglang_adaptive": engine.runs_sglang_adaptive(server_args or {}, server_argv)}
 
     def plan() -> Plan:
         return engine.plan_apply(snapshot, worker=worker, live_worker=live_worker,
                                  threshold=threshold, num_steps=num_steps,
                                  cuda_graph_bs=cuda_graph_bs,
                                  native_config_path=native_config_path, recorded=recorded,
-                                 server_args=server_args, server_argv=server_argv)
+                                 server_args=server_args, server_argv=server_argv,
+                                 route=route)
 
     directory = cache_dir() / "plans"
     try:

@@ -64,14 +64,15 @@ def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: boo
           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
           on_progress: Callable[[str], None] | None = None,
           commit_image: str | None = None,
-          rotation: Rotation | None = None) -> dict[str, Any]:
+          rotation: Rotation | None = None, route: str | None = None) -> dict[str, Any]:
     """Patch the host's sglang (or write the native config), then restart and prove it;
     with ``rotation`` the server is out of its sglang-router while it restarts; for a server
-    in a container, optionally ``docker commit`` it as ``commit_image``."""
+    in a container, optionally ``docker commit`` it as ``commit_image``; ``route`` is
+    ``--route`` (patch | native; None: the release's default)."""
     return _run(opts, rolling, faults, on_progress, operation=deploy.apply, rotation=rotation,
                 threshold=threshold, worker=worker, dry_run=dry_run, no_restart=no_restart,
                 restart_cmd=restart_cmd, pid=pid, port=port, health_timeout=health_timeout,
-                stop_timeout=stop_timeout, commit_image=commit_image)
+                stop_timeout=stop_timeout, commit_image=commit_image, route=route)
 
 
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,

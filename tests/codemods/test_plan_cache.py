@@ -60,7 +60,9 @@ def test_every_input_has_its_own_entry_and_a_damaged_one_is_replanned(cache):
 
 def test_native_plans_are_not_stored(cache):
     snap = snapshot("0.5.16")
-    plan = plan_cache.plan_apply(snap, threshold=8, native_config_path="/srv/a/cfg.json")
+    plan = plan_cache.plan_apply(
+        snap, threshold=8, native_config_path="/srv/a/cfg.json", route="native"
+    )
     assert plan.route == "native" and plan.native is not None
     assert not list(cache.glob("*.json"))
 

@@ -11,8 +11,9 @@ DOCUMENTATION = r"""
 module: sglang_dynspec
 short_description: Add dynamic speculation disable to a live SGLang server
 description:
-  - Patches the SGLang installed on the host (or, on SGLang 0.5.14+, writes the native
-    C(--speculative-adaptive) config) so the running EAGLE worker stops speculating while the
+  - Patches the SGLang installed on the host (or, with O(route=native) on SGLang 0.5.14+,
+    writes the native C(--speculative-adaptive) config) so the running EAGLE worker stops
+    speculating while the
     decode batch is larger than O(threshold), restarts the server with the new flag, gates on
     C(/health) and C(/health_generate), and proves the flag through C(/server_info).
   - Runs on the controller as an action plugin. It drives dynspec-patch's own Python API over
@@ -55,6 +56,14 @@ options:
     type: str
     choices: [auto, v1, v2, both]
     default: auto
+  route:
+    description:
+      - On SGLang 0.5.14+, which offer both, V(patch) patches the EAGLE worker (the default)
+        and V(native) writes a C(--speculative-adaptive) config for SGLang's own steps-0 path
+        instead. Older releases take V(patch) only. A V(v2) server that runs
+        C(--speculative-adaptive) is refused on the patch route (two controllers).
+    type: str
+    choices: [patch, native]
   restart:
     description:
       - Restart the server after changing files. V(false) leaves a "restart pending" mark.
@@ -147,6 +156,11 @@ route:
   description: V(patch), V(native) (SGLang 0.5.14+, no source change) or V(unsupported).
   returned: when the host was read
   type: str
+routes:
+  description: The routes the release offers (V([patch, native]) on SGLang 0.5.14+).
+  returned: when the host was read
+  type: list
+  elements: str
 sglang_version:
   description: The release installed on the host.
   returned: when the host was read
