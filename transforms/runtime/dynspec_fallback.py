@@ -962,6 +962,35 @@ def _settable(obj: Any, name: str) -> bool:
     return True
 
 
+# The provenance SGLang records for our changes of sealed ServerArgs (0.5.17+).
+ARGS_OVERRIDE_SOURCE = "dynspec-patch.graph-capture"
+
+
+def _can_set_args(args: Any, names: Any) -> bool:
+    """Whether these ServerArgs fields can be set: plainly, or through ``override``."""
+    return all(_settable(args, n) for n in names) or callable(getattr(args, "override", None))
+
+
+@contextlib.contextmanager
+def _server_args_set(args: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Set ServerArgs fields for the block and restore them afterwards.
+
+    Plain assignment where SGLang allows it; 0.5.17+ seal the resolved args (a bare
+    assignment raises), and ``ServerArgs.override(source, **fields)`` is their one mutation
+    point, so both the change and the restore go through it there.
+    """
+    if all(_settable(args, name) for name in values):
+        with _attributes_set(args, values):
+            yield
+        return
+    saved = {name: getattr(args, name) for name in values}
+    args.override(ARGS_OVERRIDE_SOURCE, **values)
+    try:
+        yield
+    finally:
+        args.override(ARGS_OVERRIDE_SOURCE + ".restore", **saved)
+
+
 def _hidden_capture_values(has_mode: bool) -> dict[str, Any]:
     """FULL hidden-state capture; 0.5.17+ also has a mode, whose "last" would capture LAST."""
     values: dict[str, Any] = {"enable_return_hidden_states": True}
@@ -988,16 +1017,16 @@ def _graph_size_holders(args: Any, graph_bag: Any) -> list[tuple[Any, str]]:
     return holders
 
 
-def _graph_sizes_from(args: Any, min_batch_size: int) -> dict[str, Any]:
-    """``cuda_graph_bs`` cut to the sizes >= ``min_batch_size`` (a fallback step's sizes).
-
-    Empty when the server has no size list (0.4.x derives the sizes itself).
-    """
-    batch_sizes = getattr(args, "cuda_graph_bs", None)
-    if not isinstance(batch_sizes, list) or not batch_sizes:
-        return {}
-    above = sorted({b for b in batch_sizes if b >= min_batch_size})
-    return {"cuda_graph_bs": above or [max(batch_sizes)]}
+def _cut_graph_sizes(
+    stack: contextlib.ExitStack, args: Any, graph_bag: Any, min_batch_size: int
+) -> None:
+    """For the block of ``stack``: graph batch sizes cut to those >= ``min_batch_size`` (the
+    sizes a fallback step can have; smaller batches pad up to the first), wherever this
+    release reads them; the largest alone when none is that large."""
+    for holder, attr in _graph_size_holders(args, graph_bag):
+        sizes = getattr(holder, attr)
+        above = sorted({b for b in sizes if b >= min_batch_size}) or [max(sizes)]
+        stack.enter_context(_attributes_set(holder, {attr: above}))
 
 
 def capture_decode_graphs(
@@ -1016,8 +1045,8 @@ def capture_decode_graphs(
         return None, "CUDA graphs are off on this server"
     args = model_runner.server_args
     features = getattr(exec_config, "features", None)
-    on_args = hasattr(args, "enable_return_hidden_states") and _settable(
-        args, "enable_return_hidden_states"
+    on_args = hasattr(args, "enable_return_hidden_states") and _can_set_args(
+        args, ("enable_return_hidden_states",)
     )
     on_bag = features is not None and "enable_return_hidden_states" in features
     if not (on_args or on_bag):
@@ -1030,14 +1059,11 @@ def capture_decode_graphs(
     with contextlib.ExitStack() as stack:
         if on_args:
             has_mode = hasattr(args, "return_hidden_states_mode")
-            stack.enter_context(_attributes_set(args, _hidden_capture_values(has_mode)))
+            stack.enter_context(_server_args_set(args, _hidden_capture_values(has_mode)))
         if on_bag:
             has_mode = "return_hidden_states_mode" in features
             stack.enter_context(features.override(**_hidden_capture_values(has_mode)))
-        for holder, attr in _graph_size_holders(args, getattr(exec_config, "graph", None)):
-            sizes = getattr(holder, attr)
-            above = sorted({b for b in sizes if b >= min_batch_size}) or [max(sizes)]
-            stack.enter_context(_attributes_set(holder, {attr: above}))
+        _cut_graph_sizes(stack, args, getattr(exec_config, "graph", None), min_batch_size)
         stack.enter_context(_attributes_set(model_runner, runner_values))
         runner = type(verify_graphs)(model_runner)
     mode = getattr(runner, "capture_hidden_mode", None)
@@ -1172,10 +1198,10 @@ def capture_draft_extend_width1(
     Called only where SGLang captured its own (N-token) draft-extend graphs.
     """
     args_objects = _server_args_objects(draft)
-    arg_values = {**WIDTH1_STATE, **_graph_sizes_from(args_objects[0], min_batch_size)}
     with contextlib.ExitStack() as stack:
         for args in args_objects:
-            stack.enter_context(_attributes_set(args, arg_values))
+            stack.enter_context(_server_args_set(args, WIDTH1_STATE))
+            _cut_graph_sizes(stack, args, None, min_batch_size)
         stack.enter_context(_attributes_set(draft, WIDTH1_STATE))
         factory = factory_cls(
             draft.server_args, draft.draft_runner, draft.topk, WIDTH1_STATE["speculative_num_steps"]
