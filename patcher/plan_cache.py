@@ -37,8 +37,9 @@ from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 @functools.cache
 def _code_digest() -> str:
     digest = hashlib.sha256()
-    for package, pattern in (("patcher", "engine.py"), ("patcher", "manifest.py"),
-                             ("transforms", "**/*.py")):
+    for package, pattern in (("dynspec_patch.patcher", "engine.py"),
+                             ("dynspec_patch.patcher", "manifest.py"),
+                             ("dynspec_patch.transforms", "**/*.py")):
         for path in sorted(Path(str(resources.files(package))).glob(pattern)):
             digest.update(path.as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
