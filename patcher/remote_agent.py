@@ -145,7 +145,14 @@ def copy_owner_mode(src, dst):
 
 
 def _read_proc(pid, name):
-    return read_bytes(os.path.join(PROC, str(pid), name))
+    """``/proc/PID/<name>``, or None once the process is gone: a process listed a moment ago
+    may exit before it is read (``open`` then fails with ENOENT, a read of the open file with
+    ESRCH), and one of another user may be unreadable (``hidepid``, a set-uid exec)."""
+    try:
+        with open(os.path.join(PROC, str(pid), name), "rb") as fh:
+            return fh.read()
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError, PermissionError):
+        return None
 
 
 def proc_stat(pid):
@@ -322,6 +329,11 @@ def find_servers():
         ports = ports_of(tree)
         port_flag = flag_value(argv, "--port")
         stdout = readlink(os.path.join(PROC, str(pid), "fd", "1"))
+        gid = status_field(pid, "Gid")
+        sig_ign = status_field(pid, "SigIgn")
+        container_id = container_id_of(pid)
+        if not alive(pid):
+            continue  # it exited while it was read: what was read of it is incomplete
         servers.append(
             {
                 "pid": pid,
@@ -340,9 +352,9 @@ def find_servers():
                 "host": flag_value(argv, "--host"),
                 "stdout": stdout if stdout and stdout.startswith("/") else None,
                 "tree": tree,
-                "gid": int(status_field(pid, "Gid") or -1),
-                "sig_ign": status_field(pid, "SigIgn"),
-                "container_id": container_id_of(pid),
+                "gid": int(gid or -1),
+                "sig_ign": sig_ign,
+                "container_id": container_id,
             }
         )
     return servers
@@ -879,7 +891,8 @@ def stop_tree(server, stop_timeout):
     if not alive(root):
         return {"already_gone": True, "killed": []}
     pids = [root, *descendants(root)]
-    pgid = proc_stat(root)["pgid"] if proc_stat(root) else None
+    st = proc_stat(root)
+    pgid = st["pgid"] if st else None
     if pgid and pgid != os.getpgrp():
         for pid in all_pids():
             st = proc_stat(pid)
