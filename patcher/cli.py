@@ -383,7 +383,7 @@ def detect_path(
         _render_remote(_remote().detect_path(options, pid=pid, port=port), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
+    plan = plan_status(local.read_snapshot(package), local.recorded_files(package))
     extra = {
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
@@ -636,8 +636,8 @@ def status(
         _render_remote(_remote().status(options), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
     manifest = local.read_manifest(package)
+    plan = plan_status(local.read_snapshot(package), manifest.by_path() if manifest else None)
     extra = {
         "sglang_dir": str(package),
         **_local_state(package, plan),

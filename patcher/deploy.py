@@ -39,7 +39,7 @@ from dynspec_patch.patcher.engine import (
 )
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
 from dynspec_patch.patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
-from dynspec_patch.patcher.manifest import Manifest, sha256_or_none
+from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
 from dynspec_patch.patcher.ssh import (
     AgentSession,
     Connection,
@@ -145,6 +145,11 @@ def proof_holds(info: Mapping[str, Any] | None, expect: Mapping[str, Any]) -> bo
     return True
 
 
+def _recorded(facts: HostFacts) -> dict[str, FileRecord]:
+    """What the host's manifest recorded of each file (empty without one)."""
+    return facts.manifest.by_path() if facts.manifest else {}
+
+
 def host_state(facts: HostFacts, plan: Plan) -> str:
     """original | patched | mixed | unknown — the same judgement as a local ``status``."""
     return tree_state(plan, facts.manifest, facts.snapshot).state
@@ -248,7 +253,7 @@ def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, A
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
                 "recommended": "sglang not found on the host"}
-    plan = plan_status(facts.snapshot)
+    plan = plan_status(facts.snapshot, _recorded(facts))
     state = host_state(facts, plan)
     return {**describe(facts, s.conn), "host_state": state,
             "recommended": recommendation(facts, plan, state), "plan": plan}
@@ -259,7 +264,7 @@ def status(s: Session) -> dict[str, Any]:
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors)}
-    plan = plan_status(facts.snapshot)
+    plan = plan_status(facts.snapshot, _recorded(facts))
     judged = tree_state(plan, facts.manifest, facts.snapshot)
     state = judged.state
     info = facts.selected.info if facts.selected else None
@@ -471,7 +476,7 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         num_steps=eff.get("speculative_num_steps"),
         cuda_graph_bs=bs if isinstance(bs, list) else None,
         native_config_path=config_path,
-        recorded=facts.manifest.by_path() if facts.manifest else {},
+        recorded=_recorded(facts),
         server_args=eff, server_argv=server.argv if server else (),
     )
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run}
@@ -565,7 +570,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                  if (data := facts.state_files.get(posixpath.join(ORIGINALS_DIR, path)))
                  is not None}
         plan = plan_revert(facts.snapshot,
-                           recorded=facts.manifest.by_path() if facts.manifest else {},
+                           recorded=_recorded(facts),
                            force=force, originals=saved if restore_originals else None)
         argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
         expect = {FIELD: "<absent>"}

@@ -240,6 +240,9 @@ def _recorded_mismatch(path: str, data: bytes | None, recorded: Mapping[str, Fil
     return record is not None and sha256_or_none(data) != record.sha256_after
 
 
+EDITED_SINCE_APPLY = "changed since dynspec-patch wrote it (sha256 differs from the manifest)"
+
+
 def _encode(text: str | None) -> bytes | None:
     return None if text is None else text.encode("utf-8")
 
@@ -254,7 +257,7 @@ def _apply_one(
     if isinstance(state, Patched) and newer_than_me(state.version):
         return FileChange.kept(path, before, "patched", "refused", _newer_refusal(state.version))
     if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
-        state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
+        state = Unknown(EDITED_SINCE_APPLY)
         analysis.refusal = state.reason
     label = _state_label(state)
     if analysis.refusal is not None:
@@ -469,10 +472,16 @@ def plan_revert(
     return Plan("revert", version, "patch", "remove everything dynspec-patch inserted", files)
 
 
-def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
+def _status_one(
+    codemod: object, analyses: _Analyses, recorded: Mapping[str, FileRecord] | None = None
+) -> FileChange:
+    """One file's state as ``apply`` judges it: a patched file whose bytes differ from what
+    the manifest recorded (edited by hand since) is ``unknown``, as ``apply`` refuses it."""
     path: str = codemod.PATH  # type: ignore[attr-defined]
     data = analyses.snapshot.get(path)
     analysis = analyses.of(codemod)
+    if isinstance(analysis.state, Patched) and _recorded_mismatch(path, data, recorded or {}):
+        return FileChange.kept(path, data, "unknown", "unchanged", EDITED_SINCE_APPLY)
     label = _state_label(analysis.state)
     reason = analysis.refusal or analysis.state.describe()
     return FileChange.kept(path, data, label, "unchanged", reason)
@@ -488,20 +497,21 @@ def _patchable_workers(analyses: _Analyses) -> tuple[str, ...]:
     )
 
 
-def plan_status(snapshot: Snapshot) -> Plan:
-    """Route and per-file state, without planning any change (detect-path, status)."""
+def plan_status(snapshot: Snapshot, recorded: Mapping[str, FileRecord] | None = None) -> Plan:
+    """Route and per-file state, without planning any change (detect-path, status); with
+    ``recorded`` (the manifest's files) each row says what ``apply`` would say of that file."""
     version = release_version(snapshot)
     analyses = _Analyses(snapshot)
     route, reason = _route(snapshot, analyses.v2_facts())
     if route != "patch":
         return Plan("status", version, route, reason)
     files = [
-        _status_one(InstallRuntimeModuleCommand(), analyses),
-        _status_one(AddDisableThresholdArgCommand(), analyses),
+        _status_one(InstallRuntimeModuleCommand(), analyses, recorded),
+        _status_one(AddDisableThresholdArgCommand(), analyses, recorded),
     ]
     for codemod_class in WORKER_CODEMODS.values():
         if snapshot.get(codemod_class.PATH) is not None:
-            files.append(_status_one(codemod_class(), analyses))
+            files.append(_status_one(codemod_class(), analyses, recorded))
     return Plan(
         "status",
         version,
@@ -552,6 +562,8 @@ def tree_state(plan: Plan, manifest: Manifest | None, snapshot: Snapshot) -> Tre
     if manifest is not None and manifest.files:
         for record in manifest.files:
             current = sha256_or_none(snapshot.get(record.path))
+            if states.get(record.path) == "unknown":
+                continue  # its row's reason is listed above
             if current not in (record.sha256_after, record.sha256_before):
                 problems.append(f"{record.path}: matches neither the recorded original nor patch")
     if newer_than_me(manifest.tool_version if manifest else None):
