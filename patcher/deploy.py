@@ -361,7 +361,7 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
     verified = None
     try:
         path = (answer.get("proof") or {}).get("endpoint") or "/server_info"
-        resp = s.conn.http_get(server.port, path)
+        resp = s.conn.http_get(server.port, path, host=server.address)
         verified = resp.status == 200 and proof_holds(resp.json(), expect)
     except (RemoteError, ConnectionLost, ValueError):
         verified = None

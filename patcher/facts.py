@@ -254,6 +254,7 @@ class ServerProcess:
     info_tried: tuple[Mapping[str, Any], ...] = ()
     log_line: str | None = None
     container: Mapping[str, Any] | None = None  # docker inspect summary; None on the bare host
+    address: str = "127.0.0.1"  # where it is reached on the host (its --host; any -> loopback)
 
     @classmethod
     def from_agent(cls, raw: Mapping[str, Any]) -> ServerProcess:
@@ -266,7 +267,7 @@ class ServerProcess:
             listening=tuple(raw.get("listening") or ()), stdout=raw.get("stdout"), raw=raw,
             info=info.get("body"), info_endpoint=info.get("endpoint"),
             info_tried=tuple(info.get("tried") or ()), log_line=raw.get("log_line"),
-            container=raw.get("container"),
+            container=raw.get("container"), address=raw.get("address") or "127.0.0.1",
         )
 
     def redacted_argv(self) -> list[str]:

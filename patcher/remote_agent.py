@@ -350,6 +350,7 @@ def find_servers():
                 "listening": ports,
                 "port": int(port_flag) if port_flag and port_flag.isdigit() else None,
                 "host": flag_value(argv, "--host"),
+                "address": connect_host({"host": flag_value(argv, "--host")}),
                 "stdout": stdout if stdout and stdout.startswith("/") else None,
                 "tree": tree,
                 "gid": int(gid or -1),
@@ -369,9 +370,13 @@ def server_port(server):
 
 
 def connect_host(server):
+    """The address the server is reached at on the host: the one it listens on (``--host``),
+    loopback where it listens on every address (``0.0.0.0``; ``::`` is IPv6 only there)."""
     host = server.get("host") or "127.0.0.1"
-    if host in ("0.0.0.0", "::", "", "localhost"):
+    if host in ("0.0.0.0", "", "localhost"):
         return "127.0.0.1"
+    if host == "::":
+        return "::1"
     return host
 
 

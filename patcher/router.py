@@ -129,10 +129,9 @@ class RouterClient:
 def in_flight(conn: Connection, server: ServerProcess) -> tuple[int | None, str]:
     """Requests the server is working on (running + waiting), read on the host; ``None``
     when the release has no load endpoint."""
-    host = server.host if server.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
     for path in ("/v1/loads", "/get_load"):
         try:
-            resp = conn.http_get(server.port, path, host=host, timeout=5.0)
+            resp = conn.http_get(server.port, path, host=server.address, timeout=5.0)
         except (RemoteError, ConnectionLost) as exc:
             raise RouterError(f"cannot read the load of the server on port {server.port}: "
                               f"{exc}") from exc
