@@ -169,7 +169,43 @@ def _pending_mark(reason: str, argv: Sequence[str] | None) -> dict[str, Any]:
 # --------------------------------------------------------------------------- facts → result
 
 
-def choose_server(facts: HostFacts, *, required: bool) -> ServerProcess | None:
+def why_no_server(facts: HostFacts) -> str | None:
+    """Where the host's server went, when none runs: another run is restarting it, a restart
+    was cut short, or its container is stopped (None: no trace of one)."""
+    if facts.servers:
+        return None
+    for mark in facts.restarts:
+        if mark.get("in_progress"):
+            return (f"no SGLang server runs on the host right now: another dynspec-patch run "
+                    f"(agent pid {mark.get('agent_pid')}, user {mark.get('user')}, since "
+                    f"{mark.get('since')}) is restarting the one on port {mark.get('port')}; "
+                    "wait until it is done (dynspec-patch status --host H shows it), then run "
+                    "this again")
+    for c in facts.stopped_containers:
+        name = c.get("name") or str(c.get("id", ""))[:12]
+        if c.get("busy"):
+            return (f"no SGLang server runs on the host right now: its container {name} is "
+                    f"{c.get('status')} while another dynspec-patch run works on it "
+                    f"({c.get('busy')}); wait until it is done, then run this again")
+    for c in facts.stopped_containers:
+        name = c.get("name") or str(c.get("id", ""))[:12]
+        return (f"no SGLang server runs on the host: its container {name} (image "
+                f"{c.get('image')}) is {c.get('status')} (exit code {c.get('exit_code')}, "
+                f"since {c.get('finished_at')}); start it (docker start {name}) and run this "
+                "again: a stopped container's files are patched through the container")
+    for mark in facts.restarts:
+        return (f"no SGLang server runs on the host: a dynspec-patch restart stopped the one "
+                f"on port {mark.get('port')} at {mark.get('since')} and did not finish (its "
+                f"agent was killed); the files are as status --host H says, the server's "
+                f"output is in {mark.get('log')}: start it again, then run this again")
+    return None
+
+
+def choose_server(facts: HostFacts, *, required: bool,
+                  writing: bool = True) -> ServerProcess | None:
+    """The server to act on; ``None`` only when none runs and none is ``required``.
+    When ``writing`` and none runs, a known reason (``why_no_server``) is a refusal: the
+    python3 on PATH is not the server's."""
     if facts.selected is not None:
         return facts.selected
     if len(facts.servers) > 1:
@@ -179,6 +215,9 @@ def choose_server(facts: HostFacts, *, required: bool) -> ServerProcess | None:
     if facts.servers:  # one server, but --pid/--port matched nothing
         raise UsageError(f"no SGLang server matches --pid/--port (running: pid "
                          f"{facts.servers[0].pid}, port {facts.servers[0].port})")
+    why = why_no_server(facts)
+    if writing and why is not None:
+        raise RefusedError(f"{why}; nothing was written")
     if required:
         raise RefusedError("no running SGLang server found on the host (python -m "
                            "sglang.launch_server / sglang serve); use --no-restart to patch the "
@@ -216,6 +255,7 @@ def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
         "running_threshold": eff.get(FIELD, "absent (unpatched server_args)")
         if facts.effective else None,
         "restart_pending": facts.pending,
+        "no_server_because": why_no_server(facts),
         "container": facts.selected.container if facts.selected else None,
         "recovered_interrupted_commit": facts.recovered,
         "interrupted_commit": facts.interrupted,
@@ -228,6 +268,8 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
         return "none: this release cannot be patched (" + plan.reason + ")"
     if facts.busy:
         return f"another dynspec-patch run is in progress ({facts.busy}); wait for it"
+    if (why := why_no_server(facts)) is not None:
+        return why.split(": ", 1)[1]
     if facts.interrupted:
         return "a commit was interrupted: run apply or revert to finish it (both recover first)"
     if plan.route == "native":
@@ -244,15 +286,21 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
     return "dynspec-patch apply --host H --threshold N --worker both (no live EAGLE worker seen)"
 
 
+def _without_package(facts: HostFacts) -> str:
+    """What to do when no sglang package was found (no server, none on PATH's python3)."""
+    why = why_no_server(facts)
+    return why.split(": ", 1)[1] if why else "sglang not found on the host"
+
+
 # --------------------------------------------------------------------------- commands
 
 
 def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
     facts = gather(s.agent, pid=pid, port=port, lock=False, docker=s.docker.to_args())
-    choose_server(facts, required=False)
+    choose_server(facts, required=False, writing=False)
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
-                "recommended": "sglang not found on the host"}
+                "recommended": _without_package(facts)}
     plan = plan_status(facts.snapshot, _recorded(facts))
     state = host_state(facts, plan)
     return {**describe(facts, s.conn), "host_state": state,
@@ -263,7 +311,7 @@ def status(s: Session) -> dict[str, Any]:
     facts = gather(s.agent, pid=None, port=None, lock=False, docker=s.docker.to_args())
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
-                "errors": list(facts.errors)}
+                "errors": list(facts.errors), "recommended": _without_package(facts)}
     plan = plan_status(facts.snapshot, _recorded(facts))
     judged = tree_state(plan, facts.manifest, facts.snapshot)
     state = judged.state

@@ -304,6 +304,10 @@ class HostFacts:
     busy: str | None = None
     effective: EffectiveArgs | None = None
     live: LiveWorker = field(default_factory=lambda: LiveWorker("none", (), "none"))
+    # read only when no server runs: restarts of this host's servers (their markers), and
+    # Docker containers whose command is a server but that are stopped
+    restarts: tuple[Mapping[str, Any], ...] = ()
+    stopped_containers: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def release(self) -> str | None:
@@ -354,6 +358,8 @@ def from_agent(raw: Mapping[str, Any], hello: Mapping[str, Any]) -> HostFacts:
         writable=bool(raw.get("writable")),
         busy=raw.get("busy"),
         effective=effective, live=decide_live_worker(version, effective),
+        restarts=tuple(raw.get("restarts") or ()),
+        stopped_containers=tuple(raw.get("stopped_containers") or ()),
     )
 
 
