@@ -341,9 +341,11 @@ def _readable(key: str, value: object) -> str:
     return str(value)
 
 
+# Printed after the table, each on its own unwrapped line: a sentence to read whole, and a
+# command that can be pasted.
+OWN_LINES = ("resumed_rotation", "recommended")
 # Remote reports carry these for --json; a person does not need them in the table.
-# "recommended" is printed on its own unwrapped line, so that it can be pasted.
-HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", "recommended")
+HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", *OWN_LINES)
 
 
 def _details_table(details: Mapping[str, Any]) -> Table:
@@ -359,8 +361,10 @@ def _details_table(details: Mapping[str, Any]) -> Table:
 
 def _print_details(details: Mapping[str, Any]) -> None:
     out.print(_details_table(details))
-    if details.get("recommended"):
-        out.print(Text(f"recommended: {details['recommended']}", style="bold"), soft_wrap=True)
+    for key in OWN_LINES:
+        if details.get(key):
+            label = key.replace("_", " ")
+            out.print(Text(f"{label}: {details[key]}", style="bold"), soft_wrap=True)
 
 
 def _summary(plan: Plan) -> None:

@@ -50,13 +50,16 @@ from dynspec_patch.patcher.ssh import (
 from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 PENDING_NAME = "restart-pending.json"
+# a server taken out of an sglang-router and not yet put back (patcher.router writes it first)
+ROTATION_NAME = "router-rotation.json"
 ORIGINALS_DIR = "originals"  # <state>/originals/<path>: the files as they were before apply
 FIELD = "speculative_disable_batch_threshold"
 ADAPTIVE_BARE = "--speculative-adaptive"
 ADAPTIVE_CONFIG = "--speculative-adaptive-config"
 
 
-BeforeRestart = Callable[["Session", ServerProcess], None]
+# called just before the server is stopped, with the facts the command read
+BeforeRestart = Callable[["Session", ServerProcess, HostFacts], None]
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,19 @@ def _recorded(facts: HostFacts) -> dict[str, FileRecord]:
 def host_state(facts: HostFacts, plan: Plan) -> str:
     """original | patched | mixed | unknown — the same judgement as a local ``status``."""
     return tree_state(plan, facts.manifest, facts.snapshot).state
+
+
+def rotation_journal(facts: HostFacts) -> dict[str, Any] | None:
+    """The router rotation an earlier run started on this host and did not finish (its
+    worker is out of the router), as ``patcher.router`` recorded it; None if there is none."""
+    raw = facts.state_files.get(ROTATION_NAME)
+    if raw is None:
+        return None
+    try:
+        journal = json.loads(raw.decode())
+    except ValueError:
+        return None
+    return journal if isinstance(journal, dict) and journal.get("worker") else None
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -255,6 +271,7 @@ def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
         "running_threshold": eff.get(FIELD, "absent (unpatched server_args)")
         if facts.effective else None,
         "restart_pending": facts.pending,
+        "router_rotation": rotation_journal(facts),
         "no_server_because": why_no_server(facts),
         "container": facts.selected.container if facts.selected else None,
         "recovered_interrupted_commit": facts.recovered,
@@ -296,7 +313,8 @@ def _without_package(facts: HostFacts) -> str:
 
 
 def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
-    facts = gather(s.agent, pid=pid, port=port, lock=False, docker=s.docker.to_args())
+    facts = gather(s.agent, pid=pid, port=port, lock=False, state_files=[ROTATION_NAME],
+                   docker=s.docker.to_args())
     choose_server(facts, required=False, writing=False)
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
@@ -308,7 +326,8 @@ def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, A
 
 
 def status(s: Session) -> dict[str, Any]:
-    facts = gather(s.agent, pid=None, port=None, lock=False, docker=s.docker.to_args())
+    facts = gather(s.agent, pid=None, port=None, lock=False, state_files=[ROTATION_NAME],
+                   docker=s.docker.to_args())
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
                 "errors": list(facts.errors), "recommended": _without_package(facts)}
@@ -481,7 +500,7 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
         return "pending (--no-restart): " + "; ".join(reasons)
     assert argv is not None
     if before_restart is not None:
-        before_restart(s, server)
+        before_restart(s, server, facts)
     done = _restart(s, facts, server, argv, restart_cmd=restart_cmd,
                     health_timeout=health_timeout, expect=expect, base_dir=base_dir,
                     stop_timeout=stop_timeout)
@@ -494,7 +513,7 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
                ) -> tuple[HostFacts, ServerProcess | None, str, str]:
     """Facts (locked unless a dry run), the server to act on, the package and config path;
     with ``originals`` the copies saved at apply come along (as ``originals/<path>``)."""
-    state_files = [CONFIG_FILE_NAME]
+    state_files = [CONFIG_FILE_NAME, ROTATION_NAME]
     if originals:
         state_files += [posixpath.join(ORIGINALS_DIR, path) for path in SNAPSHOT_PATHS]
     facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=state_files,

@@ -890,6 +890,17 @@ def op_write_file(args):
     return {"path": path}
 
 
+def op_remove_file(args):
+    take_lock(args["state_dir"])
+    path = os.path.join(args["state_dir"], args["name"])
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return {"removed": None}
+    fsync_dir(args["state_dir"])
+    return {"removed": path}
+
+
 # --------------------------------------------------------------------------- restart
 
 
@@ -1278,7 +1289,7 @@ def op_restart_done(args):
 # on container paths exactly as on a bare host. Requests for it are forwarded (INNER_OPS).
 
 CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
-INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file")
+INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file", "remove_file")
 _docker = {"client": None, "host": None}
 _inner = None  # the agent inside the selected server's container, once facts started it
 _container_lock_fd = None
@@ -1766,6 +1777,7 @@ OPS = {
     "undo": op_undo,
     "discard_staged": op_discard_staged,
     "write_file": op_write_file,
+    "remove_file": op_remove_file,
     "restart": op_restart,
     "restart_done": op_restart_done,
     "commit_image": op_commit_image,
