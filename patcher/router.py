@@ -15,14 +15,17 @@ The worker leaves the router only when the server really restarts; a run that ch
 1. before anything is written: the worker must be listed by the router, and another healthy
    worker must remain to take the traffic (else refused);
 2. just before the server is stopped (after checking again that another healthy worker
-   remains): ``DELETE /workers/{id}``; wait until it is unlisted;
+   remains): record the rotation on the host (``deploy.ROTATION_NAME``), then
+   ``DELETE /workers/{id}``; wait until it is unlisted;
 3. wait until the server has had no request in flight for ``settle`` seconds
    (at most ``drain_timeout``; a server without a load endpoint gets ``settle`` plus a fixed
    ``grace`` instead). If it does not drain, it is put back and nothing is restarted;
 4. patch, restart, health gate and proof (``patcher.deploy``);
-5. ``POST /workers {url}``; wait until the router lists it healthy.
+5. ``POST /workers {url}``; wait until the router lists it healthy; drop the record.
 
-If anything fails after step 2 the worker stays out of the router and the error says so.
+If anything fails after step 2 the worker stays out of the router and the error says so; the
+record stays on the host, and the next ``apply``, ``revert`` or ``status`` there finishes the
+rotation (``Rotation.resume``).
 """
 
 from __future__ import annotations
