@@ -140,3 +140,21 @@ def test_status_puts_back_the_worker_a_killed_run_left_out(fleet):
     assert out["restart"]["restarted"] is True and out["router"]["added_back"] is True
     assert "resumed_rotation" not in out
     assert router.healthy_workers() == {slow.worker_url, other.worker_url}
+
+
+def test_revert_without_the_router_option_finishes_it_too(fleet):
+    """The record names the router: a ``revert`` with no ``--router`` drains the server,
+    reverts and restarts it, and puts it back."""
+    slow, other, router, request, _command = kill_the_cli_during_the_drain(fleet)
+
+    done = run("revert", *host_args(slow), "--health-timeout", "30", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["restart"]["restarted"] is True
+    assert "this run finished that rotation (put it back)" in out["resumed_rotation"]
+    assert out["router"]["drain"]["method"].startswith("/v1/loads at 0")  # drained first
+    assert router.healthy_workers() == {slow.worker_url, other.worker_url}
+    assert "speculative_disable_batch_threshold" not in slow.server.info()  # original code
+    assert not (slow.state / "router-rotation.json").exists()
+    request["thread"].join(timeout=60)
+    assert "text" in request.get("answer", {}), request
