@@ -195,8 +195,7 @@ def why_no_server(facts: HostFacts) -> str | None:
             return (f"no SGLang server runs on the host right now: another dynspec-patch run "
                     f"(agent pid {mark.get('agent_pid')}, user {mark.get('user')}, since "
                     f"{mark.get('since')}) is restarting the one on port {mark.get('port')}; "
-                    "wait until it is done (dynspec-patch status --host H shows it), then run "
-                    "this again")
+                    "wait until it is done (status shows when), then run this again")
     for c in facts.stopped_containers:
         name = c.get("name") or str(c.get("id", ""))[:12]
         if c.get("busy"):
@@ -212,8 +211,8 @@ def why_no_server(facts: HostFacts) -> str | None:
     for mark in facts.restarts:
         return (f"no SGLang server runs on the host: a dynspec-patch restart stopped the one "
                 f"on port {mark.get('port')} at {mark.get('since')} and did not finish (its "
-                f"agent was killed); the files are as status --host H says, the server's "
-                f"output is in {mark.get('log')}: start it again, then run this again")
+                f"agent was killed); status shows what its files hold, the server's output "
+                f"is in {mark.get('log')}: start it again, then run this again")
     return None
 
 
