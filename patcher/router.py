@@ -451,7 +451,12 @@ def status(s: Any) -> dict[str, Any]:
     if left is None:
         return result
     rotation = Rotation(RouterClient(left["router"]))
-    if not rotation.resume(left, result.get("state_dir")):
+    try:
+        out = rotation.resume(left, result.get("state_dir"))
+    except RouterError as exc:  # status reports; it does not fail on the router
+        result["router"] = {**rotation.report, "error": str(exc)}
+        return result
+    if not out:
         with contextlib.suppress(DynspecError):
             rotation.forget(s)  # stale: it is back already
         result["router"] = rotation.report
