@@ -188,8 +188,8 @@ resumed_rotation:
   description:
     - When an earlier run left the server out of its router (it was cut short between taking
       the worker out and putting it back, as recorded on the host), the line saying that this
-      run finished that rotation.
-  returned: always
+      run finished that rotation (null otherwise).
+  returned: success
   type: str
 rolled_back:
   description: True when the restart failed and the original files and command came back.
