@@ -272,6 +272,9 @@ def _recorded_mismatch(path: str, data: bytes | None, recorded: Mapping[str, Fil
     return record is not None and sha256_or_none(data) != record.sha256_after
 
 
+EDITED_SINCE_APPLY = "changed since dynspec-patch wrote it (sha256 differs from the manifest)"
+
+
 def _encode(text: str | None) -> bytes | None:
     return None if text is None else text.encode("utf-8")
 
@@ -286,7 +289,7 @@ def _apply_one(
     if isinstance(state, Patched) and newer_than_me(state.version):
         return FileChange.kept(path, before, "patched", "refused", _newer_refusal(state.version))
     if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
-        state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
+        state = Unknown(EDITED_SINCE_APPLY)
         analysis.refusal = state.reason
     label = _state_label(state)
     if analysis.refusal is not None:
@@ -564,10 +567,16 @@ def _any_patched(analyses: _Analyses) -> bool:
     return False
 
 
-def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
+def _status_one(
+    codemod: object, analyses: _Analyses, recorded: Mapping[str, FileRecord] | None = None
+) -> FileChange:
+    """One file's state as ``apply`` judges it: a patched file whose bytes differ from what
+    the manifest recorded (edited by hand since) is ``unknown``, as ``apply`` refuses it."""
     path: str = codemod.PATH  # type: ignore[attr-defined]
     data = analyses.snapshot.get(path)
     analysis = analyses.of(codemod)
+    if isinstance(analysis.state, Patched) and _recorded_mismatch(path, data, recorded or {}):
+        return FileChange.kept(path, data, "unknown", "unchanged", EDITED_SINCE_APPLY)
     label = _state_label(analysis.state)
     reason = analysis.refusal or analysis.state.describe()
     return FileChange.kept(path, data, label, "unchanged", reason)
@@ -583,8 +592,14 @@ def _patchable_workers(analyses: _Analyses) -> tuple[str, ...]:
     )
 
 
-def plan_status(snapshot: Snapshot, *, native_applied: bool = False) -> Plan:
-    """Route and per-file state, without planning any change (detect-path, status).
+def plan_status(
+    snapshot: Snapshot,
+    recorded: Mapping[str, FileRecord] | None = None,
+    *,
+    native_applied: bool = False,
+) -> Plan:
+    """Route and per-file state, without planning any change (detect-path, status); with
+    ``recorded`` (the manifest's files) each row says what ``apply`` would say of that file.
 
     On a release that offers both routes the route shown is the one the tree is on: patch
     when any file carries our statements, native when ``native_applied`` (the caller found
@@ -599,10 +614,10 @@ def plan_status(snapshot: Snapshot, *, native_applied: bool = False) -> Plan:
     route, reason = _route(snapshot, analyses.v2_facts(), requested)
     if route != "patch":
         return Plan("status", version, route, reason, routes=routes)
-    files = [_status_one(codemod, analyses) for codemod in _core_codemods(snapshot)]
+    files = [_status_one(codemod, analyses, recorded) for codemod in _core_codemods(snapshot)]
     for codemod_class in WORKER_CODEMODS.values():
         if snapshot.get(codemod_class.PATH) is not None:
-            files.append(_status_one(codemod_class(), analyses))
+            files.append(_status_one(codemod_class(), analyses, recorded))
     return Plan(
         "status",
         version,
@@ -654,6 +669,8 @@ def tree_state(plan: Plan, manifest: Manifest | None, snapshot: Snapshot) -> Tre
     if manifest is not None and manifest.files:
         for record in manifest.files:
             current = sha256_or_none(snapshot.get(record.path))
+            if states.get(record.path) == "unknown":
+                continue  # its row's reason is listed above
             if current not in (record.sha256_after, record.sha256_before):
                 problems.append(f"{record.path}: matches neither the recorded original nor patch")
     if newer_than_me(manifest.tool_version if manifest else None):

@@ -135,7 +135,7 @@ def _module_result(out: dict[str, Any], *, check_mode: bool, diff: bool,
     if check_mode:
         changed = bool(plan.changes) or str(restart or "").startswith("would")
     else:
-        changed = bool(out.get("files_changed")) or restarted
+        changed = bool(out.get("files_changed")) or restarted or bool(out.get("resumed_rotation"))
     result: dict[str, Any] = {
         "changed": changed,
         "failed": plan.refused,
@@ -154,6 +154,7 @@ def _module_result(out: dict[str, Any], *, check_mode: bool, diff: bool,
         "server_pid_after": restart.get("pid") if restarted else out.get("server_pid"),
         "restart": restart,
         "router": out.get("router"),
+        "resumed_rotation": out.get("resumed_rotation"),
     }
     if plan.refused:
         result["msg"] = plan.refusal_reason
@@ -188,7 +189,7 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
                          drain_timeout=task.drain_timeout) if task.router else None)
     pid_before: list[int] = []
 
-    def note_pid(_s: Any, server: ServerProcess) -> None:
+    def note_pid(_s: Any, server: ServerProcess, _facts: Any) -> None:
         pid_before.append(server.pid)
 
     common: dict[str, Any] = {

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher import deploy, router
 from dynspec_patch.patcher.container import DockerOptions
 from dynspec_patch.patcher.deploy import Faults
 from dynspec_patch.patcher.router import Rotation, rolling
@@ -91,5 +91,7 @@ def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
 
 
 def status(opts: HostOptions) -> dict[str, Any]:
-    """original | patched | mixed | unknown, restart pending, what the server runs."""
-    return _run(opts, deploy.status)
+    """original | patched | mixed | unknown, restart pending, what the server runs; a router
+    rotation an earlier run left unfinished is finished (the worker put back) where its server
+    answers."""
+    return _run(opts, router.status)

@@ -176,9 +176,9 @@ def test_status_checks_the_manifest_hashes_not_only_the_markers(release, capsys)
     target.write_bytes(target.read_bytes() + b"# edited after apply\n")
     code, out = _json_run(capsys, "status", "--sglang-root", str(release))
     assert code == 0
-    assert [f["state_before"] for f in out["files"] if f["path"] == SERVER_ARGS] == ["patched"]
+    assert [f["state_before"] for f in out["files"] if f["path"] == SERVER_ARGS] == ["unknown"]
     assert out["tree_state"] == "mixed"
-    assert any(SERVER_ARGS in p and "neither" in p for p in out["problems"])
+    assert any(SERVER_ARGS in p and "manifest" in p for p in out["problems"])
 
 
 def _restamp(package: Path, old: str, new: str) -> None:

@@ -200,8 +200,15 @@ restart:
   type: raw
 router:
   description: With O(router), what was done there (removed, drain, added_back, seconds).
-  returned: with router
+  returned: with router, or when an earlier run left the server out of a router
   type: dict
+resumed_rotation:
+  description:
+    - When an earlier run left the server out of its router (it was cut short between taking
+      the worker out and putting it back, as recorded on the host), the line saying that this
+      run finished that rotation (null otherwise).
+  returned: success
+  type: str
 rolled_back:
   description: True when the restart failed and the original files and command came back.
   returned: always
