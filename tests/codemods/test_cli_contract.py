@@ -198,6 +198,22 @@ def test_json_prints_one_object_on_every_exit(argv, code):
         assert done.stderr.count("\n") == 1
 
 
+def test_json_prints_one_object_on_an_internal_error(scratch, monkeypatch, capsys):
+    """A bug (an exception nobody expects) still ends in one object, and the traceback."""
+    package = scratch(find_pin("0.5.10.post1"))
+
+    def broken_manifest_reader(_package):
+        raise KeyError("sha256_after")  # what a bug in manifest handling would raise
+
+    monkeypatch.setattr(local, "read_manifest", broken_manifest_reader)
+    capsys.readouterr()
+    assert run(["status", "--sglang-root", str(package), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"error": "internal error: KeyError: 'sha256_after'",
+                                        "exit_code": 1}
+    assert "Traceback" in captured.err and "broken_manifest_reader" in captured.err
+
+
 def test_version_help_examples_and_completion():
     from dynspec_patch.transforms.markers import TOOL_VERSION
 

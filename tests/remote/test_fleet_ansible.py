@@ -100,6 +100,40 @@ def test_check_mode_diff_then_apply_then_nothing_to_do(fleet):
         assert THRESHOLD not in h.server.info()
 
 
+def test_a_host_key_missing_from_known_hosts_fails_unless_host_key_checking_is_off(
+        fleet, monkeypatch):
+    """Ansible's ``host_key_checking`` (on by default) decides: on, a host whose key is not in
+    its known_hosts fails and nothing is added or written; off, the key is added (as
+    OpenSSH's accept-new does) and the play goes on."""
+    (host,) = fleet(1)
+    workdir = host.root.parent
+    known = workdir / "known_hosts"
+    known.write_text("")
+    host_vars = {**host.inventory_vars(),
+                 "ansible_ssh_common_args": f"-o UserKnownHostsFile={known}"}
+    inventory = workdir / "inventory.json"
+    inventory.write_text(json.dumps({"sglang": {"hosts": {host.name: host_vars}}}))
+    before = tree_bytes(host.package)
+    logins = host.sshd.log.read_text().count("Accepted publickey")
+
+    run = ansible_playbook(workdir, inventory, "dynspec.patch.roll", "-e", "dynspec_threshold=8")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert recap(run.stdout)[host.name]["failed"] == 1
+    failure = json.loads(re.search(r"fatal: \[gpu0\]: FAILED! => (\{.*\})", run.stdout).group(1))
+    assert f"host key of [127.0.0.1]:{host.sshd.port} is not in known_hosts" in failure["msg"]
+    assert known.read_text() == ""
+    assert host.sshd.log.read_text().count("Accepted publickey") == logins  # never logged in
+    assert tree_bytes(host.package) == before
+
+    monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "False")
+    run = ansible_playbook(workdir, inventory, "dynspec.patch.roll", "--check",
+                           "-e", "dynspec_threshold=8")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert recap(run.stdout)[host.name]["changed"] == 1
+    assert known.read_text().split() == [f"[127.0.0.1]:{host.sshd.port}",
+                                         *host.sshd.host_pub.split()]
+
+
 def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_path):
     import subprocess
     import sys

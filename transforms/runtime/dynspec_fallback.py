@@ -60,7 +60,13 @@ def default_resume_below(threshold: int) -> int:
 
 
 def effective_batch_size(local_batch_size: int, global_num_tokens: list[int] | None) -> int:
-    """Batch size the decision uses: the max over DP ranks when they were all-gathered."""
+    """Batch size the decision uses: the max over DP ranks when they were all-gathered.
+
+    The scheduler sets ``global_num_tokens`` for its MLP sync. With DP attention refused
+    (``refusal_reason``), 0.4.10+ sets it to ``[local batch size]`` (DeepEP / a2a MoE,
+    ``moe_dense_tp_size`` 1) or not at all; 0.4.x's DeepEP path (``enable_sp_layernorm``),
+    which counted ``batch size * speculative_num_draft_tokens`` there, is refused.
+    """
     if global_num_tokens:
         return max(int(n) for n in global_num_tokens)
     return int(local_batch_size)
@@ -696,6 +702,10 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
         return f"worker class {type(worker).__name__} (only {expected})"
     for flag, label in (
         ("enable_dp_attention", "DP attention"),
+        # 0.4.x, DeepEP MoE without DP attention: the scheduler's all-gather counts
+        # batch size * speculative_num_draft_tokens (verify tokens), so a one-token decode
+        # forward would be sized wrongly, and so would the decision
+        ("enable_sp_layernorm", "DeepEP MoE on 0.4.x (enable_sp_layernorm)"),
         ("enable_multi_layer_eagle", "multi-layer EAGLE"),
         ("enable_two_batch_overlap", "two-batch overlap"),
         ("enable_pdmux", "pdmux"),
