@@ -1,0 +1,236 @@
+"""Mutation testing of dynspec-patch's safety-critical modules, on demand (not in CI).
+
+    .venv/bin/pip install -e '.[test,mutation]'
+    .venv/bin/python tools/mutation.py                  # every module below
+    .venv/bin/python tools/mutation.py engine local     # some of them
+    .venv/bin/python tools/mutation.py --survivors      # and the diff of each surviving mutant
+
+mutmut 3 makes each mutant of a module, runs the tests that guard that module against it, and
+this prints killed / survived / timeout per module. Modules whose tests need sshd or docker run
+under the heavy lock (``flock /tmp/dynspec-heavy.lock``), as every such test run on the shared
+machine must.
+
+Why a stage directory: the package installs as ``dynspec_patch.*`` from ``patcher/``,
+``transforms/`` and ``fixtures/`` (setuptools package-dir), but mutmut names a mutant after its
+file's path, and a mutant is only live in a module whose import name is that path. So each module
+runs in ``.mutation/<module>/``, a copy of the tree laid out as the package installs
+(``dynspec_patch/patcher/engine.py`` …) beside ``tests/`` and ``ansible_collections/``; mutmut
+copies it into ``mutants/`` and puts that first on ``sys.path``, ahead of the editable install.
+Tests that run the CLI or ansible-playbook in a process of their own get the mutants through
+``PYTHONPATH``, and ``tools/mutation_hits/`` tells mutmut which mutated functions those processes
+ran, so those tests count for those functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HITS = ROOT / "tools" / "mutation_hits"
+HEAVY_LOCK = "/tmp/dynspec-heavy.lock"
+# the layout of the installed package: directory in the checkout -> its import path
+PACKAGE_DIRS = {"patcher": "dynspec_patch/patcher", "transforms": "dynspec_patch/transforms",
+                "fixtures": "dynspec_patch/fixtures"}
+PYTEST_ARGS = ["-m", "not slow", "--import-mode=importlib", "-p", "no:cacheprovider",
+               "-p", "mutation_hits_plugin"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module, the tests that guard it, and (optionally) the functions to mutate.
+
+    ``functions`` are mutmut's names without the module: ``x_name`` for a function,
+    ``xǁClassǁname`` for a method; an empty tuple mutates every function of the file.
+    """
+
+    path: str  # in the staged layout
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+    heavy: bool = False  # the tests start sshd or docker: run under the heavy lock
+    why: str = ""  # why the tests or the functions are restricted
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        return [f"{self.module}.{name}__mutmut_*" for name in self.functions]
+
+
+def _methods(cls: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"xǁ{cls}ǁ{name}" for name in names)
+
+
+RUNTIME = "dynspec_patch/transforms/runtime/dynspec_fallback.py"
+CODEMOD_TESTS = ("tests/codemods/test_local_safety.py", "tests/codemods/test_cli_contract.py",
+                 "tests/codemods/test_native_and_cli.py", "tests/codemods/test_plan_cache.py")
+
+TARGETS: dict[str, Target] = {
+    "dynspec_fallback": Target(
+        RUNTIME, ("tests/runtime",),
+        functions=(
+            *_methods("DynSpecController", "__init__", "update", "spec_enabled", "observe",
+                      "decide", "reset"),
+            "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
+        ),
+        why="the controller and the step decisions (the rest of the file is the adapters' "
+            "plumbing, guarded by the slow tier on real SGLang)"),
+    "engine": Target("dynspec_patch/patcher/engine.py", CODEMOD_TESTS),
+    "local": Target("dynspec_patch/patcher/local.py", CODEMOD_TESTS),
+    "remote_agent": Target(
+        "dynspec_patch/patcher/remote_agent.py",
+        ("tests/remote/test_remote_pure.py", "tests/remote/test_container_pure.py",
+         "tests/codemods/test_local_safety.py", "tests/codemods/test_cli_contract.py"),
+        why="the agent runs on the host's own python3 over SSH, where a mutant (which imports "
+            "mutmut) cannot run: its in-process tests only (the pure ones, and local mode, "
+            "which shares the agent's lock and journal)"),
+    "router": Target("dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",),
+                     heavy=True),
+    "container": Target("dynspec_patch/patcher/container.py",
+                        ("tests/remote/test_container_pure.py",)),
+    "ssh": Target(
+        "dynspec_patch/patcher/ssh.py",
+        ("tests/remote/test_remote_ssh.py", "tests/remote/test_ssh_parity.py"),
+        functions=("x__known_hosts_name", *_methods("_AcceptNewPolicy", "__init__",
+                                                    "missing_host_key"),
+                   *_methods("_RejectPolicy", "missing_host_key"),
+                   *_methods("Connection", "__init__", "open")),
+        heavy=True, why="host keys: the known_hosts policies and the connection that picks one"),
+    "ansible_action": Target(
+        "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
+        ("tests/remote/test_fleet_ansible.py",), heavy=True),
+}
+
+
+def stage(name: str, target: Target) -> Path:
+    """A fresh ``.mutation/<name>/``: the tree as the package installs, tests, mutmut's config."""
+    where = ROOT / ".mutation" / name
+    shutil.rmtree(where, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for source, dest in PACKAGE_DIRS.items():
+        shutil.copytree(ROOT / source, where / dest, ignore=ignore)
+    for tree in ("tests", "ansible_collections"):
+        shutil.copytree(ROOT / tree, where / tree, ignore=ignore)
+    # ansible-playbook gets PYTHONPATH=<the tree> (tests/remote/fleet_harness.py): mutants/
+    shutil.copy2(HITS / "sitecustomize.py", where / "sitecustomize.py")
+    mutmut = {
+        "source_paths": ["dynspec_patch", "ansible_collections"],
+        "only_mutate": [target.path],
+        "also_copy": ["sitecustomize.py"],
+        "pytest_add_cli_args": PYTEST_ARGS,
+        "pytest_add_cli_args_test_selection": list(target.tests),
+        "use_git_change_detection": False,
+    }
+    pytest_ini = {"testpaths": ["tests"],
+                  "markers": ["slow: imports real SGLang modules on CPU",
+                              "ssh: needs the loopback sshd started by tests/remote fixtures"]}
+    (where / "pyproject.toml").write_text(
+        "[tool.mutmut]\n" + _toml_table(mutmut) + "\n[tool.pytest.ini_options]\n"
+        + _toml_table(pytest_ini))
+    return where
+
+
+def _toml_table(values: dict[str, object]) -> str:
+    # json's strings and lists are valid TOML for these plain values
+    return "".join(f"{key} = {json.dumps(value, ensure_ascii=False)}\n"
+                   for key, value in values.items())
+
+
+def run_mutmut(where: Path, target: Target, max_children: int) -> int:
+    # made before Python starts: a PYTHONPATH entry that does not exist yet is cached as absent
+    (where / "mutants").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{where / 'mutants'}{os.pathsep}{HITS}",
+           "DYNSPEC_OFFLINE": "1"}
+    env.pop("CI", None)  # the runtime tests' torch check is the suite's concern, not this one's
+    command = ["nice", "-n", "10", sys.executable, "-m", "mutmut", "run",
+               "--max-children", str(max_children), *target.patterns()]
+    if target.heavy:
+        command = ["flock", HEAVY_LOCK, *command]
+    log = where / "mutmut.log"
+    with log.open("w") as out:
+        return subprocess.run(command, cwd=where, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              check=False).returncode
+
+
+@dataclass
+class Outcome:
+    counts: Counter[str] = field(default_factory=Counter)
+    survivors: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def outcome(where: Path, target: Target) -> Outcome:
+    from mutmut.stats import status_by_exit_code
+
+    meta = json.loads((where / "mutants" / (target.path + ".meta")).read_text())
+    result = Outcome()
+    for mutant, exit_code in sorted(meta["exit_code_by_key"].items()):
+        if target.functions and not any(fnmatch.fnmatchcase(mutant, pattern)
+                                        for pattern in target.patterns()):
+            continue
+        status = status_by_exit_code[exit_code]
+        result.counts[status] += 1
+        if status != "killed":
+            result.survivors.append(f"{mutant} ({status})")
+    return result
+
+
+def show(where: Path, mutant: str) -> str:
+    return subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=where,
+                          capture_output=True, text=True, check=False).stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", choices=[[], *TARGETS], metavar="MODULE",
+                        help=f"one of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--max-children", type=int, default=2, help="parallel mutants (2)")
+    parser.add_argument("--survivors", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the table of the last run, run nothing")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.modules or TARGETS:
+        target = TARGETS[name]
+        where = ROOT / ".mutation" / name
+        if not args.report_only:
+            where = stage(name, target)
+            print(f"== {name}: mutmut over {', '.join(target.tests)} (log: {where}/mutmut.log)",
+                  flush=True)
+            if run_mutmut(where, target, args.max_children) != 0:
+                print(f"   mutmut failed: see {where}/mutmut.log", flush=True)
+        try:
+            result = outcome(where, target)
+        except FileNotFoundError:
+            print(f"   {name}: no results", flush=True)
+            continue
+        rows.append((name, result))
+        for survivor in result.survivors:
+            print(f"   survived: {survivor}")
+            if args.survivors:
+                print(show(where, survivor.split(" ")[0]))
+    print()
+    print(f"{'module':<18} {'mutants':>7} {'killed':>7} {'survived':>8} {'timeout':>7} "
+          f"{'no tests':>8} {'% killed':>8}")
+    for name, result in rows:
+        counts = result.counts
+        share = 100 * counts["killed"] / result.total if result.total else 0.0
+        print(f"{name:<18} {result.total:>7} {counts['killed']:>7} {counts['survived']:>8} "
+              f"{counts['timeout']:>7} {counts['no tests']:>8} {share:>7.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
