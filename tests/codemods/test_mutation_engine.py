@@ -1,0 +1,251 @@
+"""The planning engine's decisions on small inputs, exactly (mutants of ``patcher.engine`` that
+kept the release-level tests green: see tools/mutation.py). No SGLang source is parsed here: each
+function is given the plan, manifest or snapshot bytes it decides from."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynspec_patch.patcher import engine
+from dynspec_patch.patcher.engine import FileChange, Plan
+from dynspec_patch.patcher.errors import UsageError
+from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
+from dynspec_patch.transforms.markers import TOOL_VERSION
+
+RUNTIME = engine.InstallRuntimeModuleCommand.PATH
+ARGS = engine.AddDisableThresholdArgCommand.PATH
+V1 = engine.HookEagleWorkerCommand.PATH
+V2 = engine.HookEagleWorkerV2Command.PATH
+KERNEL = engine.KERNEL_PATHS[0]
+PATCHABLE_KERNEL = (b"def verify_tree_greedy(): ...\n"
+                    b"def prepare_for_verify(self, batch, page_size): ...\n")
+
+
+def sha(data: bytes | None) -> str | None:
+    return sha256_or_none(data)
+
+
+def test_the_release_version_prefers_underscore_version_and_reads_every_spelling():
+    assert engine.release_version({"version.py": b'__version__ = "0.5.6.post2"\n'}) == (
+        "0.5.6.post2")
+    both = {"version.py": b'__version__ = "0.1"\n',
+            "_version.py": b'__version__ = version = "0.5.7"\n'}
+    assert engine.release_version(both) == "0.5.7"
+    assert engine.release_version({"_version.py": b"x = 1\n", "version.py": None}) is None
+    assert engine.release_version({"_version.py": b"\xff\n__version__ = '0.5.9'\n"}) == "0.5.9"
+    assert engine.release_version({}) is None
+
+
+def test_text_of_a_file_that_is_not_utf8_is_never_python():
+    assert engine._text({"a.py": b"x = 1\n"}, "a.py") == "x = 1\n"
+    assert engine._text({"a.py": None}, "a.py") is None
+    assert engine._text({}, "a.py") is None
+    assert engine._text({"a.py": b"\xff"}, "a.py") == "\0"
+
+
+@pytest.mark.parametrize(("snapshot", "facts", "expected"), [
+    ({}, {}, ("unsupported", "no srt/server_args.py: not an SGLang package directory")),
+    ({ARGS: b""}, {"native_steps_zero": True},
+     ("native", "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
+                "--speculative-adaptive, no source change")),
+    ({ARGS: b"", V1: None}, {},
+     ("unsupported", "no EAGLE worker in this release (EAGLE arrived in 0.4.1.post4)")),
+    ({ARGS: b"", V1: b"", KERNEL: b"eagle_verify_retrive"}, {},
+     ("unsupported", "greedy verify uses the Triton eagle_verify_retrive kernel, which reads out "
+                     "of bounds for a one-node tree (releases before 0.4.4.post2)")),
+    ({ARGS: b"", V2: b"", KERNEL: b"other"}, {},
+     ("unsupported", "verify kernel not recognised (no verify_tree_greedy)")),
+    ({ARGS: b"", V1: b"", KERNEL: b"verify_tree_greedy\ndef prepare_for_verify(self, batch):"},
+     {}, ("unsupported", "EagleVerifyInput.prepare_for_verify takes no page_size (before "
+                         "0.4.4.post4): the runtime cannot allocate its one-node tree there")),
+    ({ARGS: b"", V1: b"", engine.KERNEL_PATHS[1]: PATCHABLE_KERNEL}, {},
+     ("patch", "speculative workers present and patchable (0.4.4.post4 – 0.5.13.post1 layout)")),
+])
+def test_route_from_the_trees_structure(snapshot, facts, expected):
+    assert engine._route(snapshot, facts) == expected
+
+
+def test_workers_follow_the_live_server_then_the_option():
+    both = {V1: b"", V2: b""}
+    assert engine._selected_workers(both, "auto", "v2") == (
+        ["v2"], "the running server uses v2")
+    assert engine._selected_workers(both, "auto", None) == (
+        ["v1", "v2"], "every worker file present")
+    assert engine._selected_workers({V1: b"", V2: None}, "both", None) == (
+        ["v1"], "every worker file present")
+    assert engine._selected_workers(both, "auto", "eagle3") == (
+        ["v1", "v2"], "every worker file present")
+    assert engine._selected_workers(both, "v1", "v2") == (["v1"], "--worker v1")
+
+
+def test_versions_compare_by_their_numbers():
+    assert engine.version_key("0.5.10.post1") == (0, 5, 10, 1)
+    assert engine.version_key("0.1.10") > engine.version_key("0.1.9")
+    assert not engine.newer_than_me(None)
+    assert not engine.newer_than_me(TOOL_VERSION)
+    assert engine.newer_than_me("99.0")
+    assert not engine.newer_than_me("0.0.1")
+    assert engine._newer_refusal("99.0") == (
+        f"patched by dynspec-patch 99.0, newer than this one ({TOOL_VERSION}): use "
+        "dynspec-patch >= 99.0; nothing was downgraded")
+
+
+def test_a_recorded_file_mismatches_only_when_its_bytes_are_not_the_recorded_after():
+    recorded = {"a.py": FileRecord("a.py", sha(b"old"), sha(b"new"))}
+    assert not engine._recorded_mismatch("a.py", b"new", recorded)
+    assert engine._recorded_mismatch("a.py", b"edited", recorded)
+    assert not engine._recorded_mismatch("b.py", b"anything", recorded)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"threshold": 1}, {"threshold": engine.MAX_THRESHOLD}, {"num_steps": 1},
+    {"num_steps": engine.MAX_NUM_STEPS}, {"worker": "both"}, {}])
+def test_option_values_at_their_bounds_are_accepted(kwargs):
+    engine.validate_options(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"threshold": 0}, "--threshold must be between 1 and 65536, got 0"),
+    ({"threshold": 65537}, "--threshold must be between 1 and 65536, got 65537"),
+    ({"num_steps": 0}, "--num-steps must be between 1 and 64, got 0"),
+    ({"num_steps": 65}, "--num-steps must be between 1 and 64, got 65"),
+    ({"worker": "v3"}, "--worker must be one of auto, v1, v2, both, got 'v3'"),
+])
+def test_bad_option_values_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(UsageError) as refused:
+        engine.validate_options(**kwargs)
+    assert str(refused.value) == message
+
+
+def test_nothing_is_written_while_a_file_is_refused():
+    patched = FileChange("a.py", b"x", b"y", "unpatched", "patched", "patched", "why")
+    assert engine._as_not_written(patched) == FileChange(
+        "a.py", b"x", b"x", "unpatched", "unpatched", "skipped",
+        "nothing is written while a file is refused")
+    refused = FileChange.kept("b.py", b"z", "unknown", "refused", "edited")
+    assert engine._as_not_written(refused) is refused
+    skipped = FileChange.kept("c.py", b"z", "unpatched", "skipped", "not selected")
+    assert engine._as_not_written(skipped) is skipped
+
+
+def test_restore_original_puts_back_only_an_intact_saved_original():
+    refused = FileChange.kept("a.py", b"edited", "unknown", "refused", "hand-edited")
+    record = FileRecord("a.py", sha(b"orig"), sha(b"patched"))
+    assert engine._restore_original(refused, record, {"a.py": b"orig"}) == FileChange(
+        "a.py", b"edited", b"orig", "unknown", "original", "restored",
+        "saved original put back (hand-edited)")
+    created = FileRecord("a.py", None, sha(b"patched"))
+    assert engine._restore_original(refused, created, {}).after is None
+    assert engine._restore_original(refused, created, {}).action == "restored"
+    for originals in ({"a.py": b"damaged"}, {}):
+        assert engine._restore_original(refused, record, originals) == FileChange.kept(
+            "a.py", b"edited", "unknown", "refused",
+            "hand-edited; no intact saved original to restore")
+
+
+def test_the_manifest_keeps_a_files_first_original_across_applies():
+    first = Plan("apply", "0.5.4", "patch", "", (
+        FileChange("a.py", b"orig", b"p1", "unpatched", "patched", "patched"),
+        FileChange.kept("b.py", b"same", "unpatched", "unchanged", "")))
+    manifest = engine.next_manifest(None, first)
+    assert manifest.sglang_version == "0.5.4"
+    assert manifest.files == (FileRecord("a.py", sha(b"orig"), sha(b"p1")),)
+    upgrade = Plan("apply", "0.5.4", "patch", "", (
+        FileChange("a.py", b"p1", b"p2", "patched", "patched", "patched", original=b"orig"),
+        FileChange("c.py", None, b"new", "missing", "patched", "added")))
+    assert engine.next_manifest(manifest, upgrade).files == (
+        FileRecord("a.py", sha(b"orig"), sha(b"p2")), FileRecord("c.py", None, sha(b"new")))
+    older_patch = Plan("apply", "0.5.4", "patch", "", (
+        FileChange("d.py", b"p0", b"p2", "patched", "patched", "patched", original=b"orig0"),))
+    assert engine.next_manifest(None, older_patch).files == (
+        FileRecord("d.py", sha(b"orig0"), sha(b"p2")),)
+    revert = Plan("revert", "0.5.4", "patch", "", (
+        FileChange("a.py", b"p2", b"orig", "patched", "unpatched", "reverted"),))
+    assert engine.next_manifest(Manifest("0.5.4", manifest.files), revert) is None
+
+
+def _status(**states: str) -> Plan:
+    files = tuple(FileChange.kept(path, b"", state, "unchanged", f"{path} is {state}")
+                  for path, state in states.items())
+    return Plan("status", "0.5.4", "patch", "", files)
+
+
+def test_tree_state_from_the_manifests_hashes():
+    records = (FileRecord(RUNTIME, None, sha(b"rt")), FileRecord(ARGS, sha(b"a0"), sha(b"a1")))
+    manifest = Manifest("0.5.4", records)
+    plan = _status(**{RUNTIME: "patched", ARGS: "patched"})
+    assert engine.tree_state(plan, manifest, {RUNTIME: b"rt", ARGS: b"a1"}) == (
+        engine.TreeState("patched"))
+    original = _status(**{RUNTIME: "missing", ARGS: "unpatched"})
+    assert engine.tree_state(original, manifest, {RUNTIME: None, ARGS: b"a0"}) == (
+        engine.TreeState("original"))
+    assert engine.tree_state(plan, manifest, {RUNTIME: b"rt", ARGS: b"a0"}) == (
+        engine.TreeState("mixed", ("files are partly patched",)))
+    assert engine.tree_state(plan, manifest, {RUNTIME: b"rt", ARGS: b"edited"}) == (
+        engine.TreeState("mixed", (f"{ARGS}: matches neither the recorded original nor patch",)))
+
+
+def test_tree_state_names_a_newer_tools_manifest_and_hooks_without_their_runtime():
+    newer = Manifest("0.5.4", (FileRecord(ARGS, sha(b"a0"), sha(b"a1")),), tool_version="99.0")
+    state = engine.tree_state(_status(**{ARGS: "patched"}), newer, {ARGS: b"a1"})
+    assert state == engine.TreeState("mixed", (
+        f"the manifest was written by dynspec-patch 99.0, newer than this one ({TOOL_VERSION})",))
+    hooked = _status(**{RUNTIME: "missing", ARGS: "patched", V1: "patched", V2: "patched"})
+    assert engine.tree_state(hooked, None, {RUNTIME: None}) == engine.TreeState("mixed", (
+        f"{V1}, {V2} import(s) {RUNTIME}, which is missing",))
+    foreign = _status(**{RUNTIME: "unpatched", ARGS: "patched", V1: "patched"})
+    assert engine.tree_state(foreign, None, {RUNTIME: b"someone else's"}) == engine.TreeState(
+        "mixed", (f"{V1} import(s) {RUNTIME}, which is not ours",))
+    # hooks in place but the files back at their recorded originals: not "original"
+    back = Manifest("0.5.4", (FileRecord(ARGS, sha(b"a0"), sha(b"a1")),))
+    assert engine.tree_state(_status(**{RUNTIME: "patched", ARGS: "unpatched", V1: "patched"}),
+                             back, {ARGS: b"a0"}).state == "mixed"
+
+
+def test_tree_state_without_a_manifest_from_the_files_states():
+    assert engine.tree_state(_status(), None, {}) == engine.TreeState("original")
+    assert engine.tree_state(_status(**{RUNTIME: "missing", ARGS: "unpatched"}), None, {}) == (
+        engine.TreeState("original"))
+    patched = _status(**{RUNTIME: "patched", ARGS: "patched", V2: "patched"})
+    assert engine.tree_state(patched, None, {RUNTIME: b""}) == engine.TreeState("patched")
+    half = _status(**{RUNTIME: "patched", ARGS: "unpatched", V2: "patched"})
+    assert engine.tree_state(half, None, {RUNTIME: b""}) == engine.TreeState(
+        "mixed", ("files are partly patched",))
+    core_only = _status(**{RUNTIME: "patched", ARGS: "patched", V2: "unpatched"})
+    assert engine.tree_state(core_only, None, {RUNTIME: b""}).state == "mixed"
+    empty_manifest = Manifest("0.5.4", ())
+    assert engine.tree_state(patched, empty_manifest, {RUNTIME: b""}) == (
+        engine.TreeState("patched"))
+    assert engine.TreeState("mixed", ("x",)).to_json() == {"state": "mixed", "problems": ["x"]}
+
+
+def test_a_file_change_reports_what_it_held_first_and_its_hashes():
+    upgrade = FileChange("a.py", b"p1", b"p2", "patched", "patched", "patched", "r", b"orig")
+    assert upgrade.first_bytes == b"orig"
+    fresh = FileChange("a.py", b"orig", b"p1", "unpatched", "patched", "patched", "r", b"x")
+    assert fresh.first_bytes == b"orig"
+    assert fresh.changed
+    assert not FileChange.kept("a.py", b"same", "unpatched", "unchanged", "r").changed
+    assert fresh.to_json() == {
+        "path": "a.py", "state_before": "unpatched", "state_after": "patched",
+        "action": "patched", "reason": "r", "sha256_before": sha(b"orig"),
+        "sha256_after": sha(b"p1")}
+
+
+def test_a_plan_is_refused_by_its_refusal_its_route_or_any_file():
+    ok = FileChange("a.py", b"x", b"y", "unpatched", "patched", "patched", "fine")
+    refused = FileChange.kept("b.py", b"z", "unknown", "refused", "edited by hand")
+    plan = Plan("apply", "0.5.4", "patch", "the reason", (ok,), server_flags=("--f", "8"))
+    assert not plan.refused
+    assert plan.refusal_reason == "the reason"
+    assert plan.changes == (ok,)
+    assert Plan("apply", None, "unsupported", "no EAGLE").refused
+    with_file = Plan("apply", "0.5.4", "patch", "r", (ok, refused))
+    assert with_file.refused
+    assert with_file.refusal_reason == "b.py: edited by hand"
+    whole = Plan("apply", "0.5.14", "native", "r", refusal="adaptive is off")
+    assert whole.refused and whole.refusal_reason == "adaptive is off"
+    assert plan.to_json() == {
+        "operation": "apply", "sglang_version": "0.5.4", "route": "patch",
+        "reason": "the reason", "refused": False, "files": [ok.to_json()],
+        "server_flags": ["--f", "8"], "native": None}
