@@ -111,25 +111,35 @@ TARGETS: dict[str, Target] = {
         why="the lock, the journal (finish or undo an interrupted commit) and the server argv "
             "rules, in-process: over SSH the agent runs on the host's own python3, where a "
             "mutant (it imports mutmut) cannot run"),
-    "router": Target("dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",),
-                     heavy=True),
+    "router": Target(
+        "dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",), heavy=True,
+        sample="0", why="its tests are whole fleets (sshd, sglang-router, load: minutes each "
+                        "here): a tenth of the mutants"),
     "container": Target(
         "dynspec_patch/patcher/container.py",
         ("tests/remote/test_container_pure.py", "tests/remote/test_mutation_container.py"),
         equivalent=(("x_durability", "rstrip('XX/XX')",
                      "strips X as well as /: a package directory is .../sglang, never ends in X"),
-                    )),
+                    ),
+        why="the pure decisions' tests; the Docker engine tests (test_remote_container) are "
+            "left out of the per-mutant runs"),
     "ssh": Target(
         "dynspec_patch/patcher/ssh.py",
-        ("tests/remote/test_remote_ssh.py", "tests/remote/test_ssh_parity.py"),
+        ("tests/remote/test_mutation_ssh.py",
+         "tests/remote/test_remote_apply.py::"
+         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
+         "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
         functions=("x__known_hosts_name", *_methods("_AcceptNewPolicy", "__init__",
                                                     "missing_host_key"),
                    *_methods("_RejectPolicy", "missing_host_key"),
                    *_methods("Connection", "__init__", "open")),
-        heavy=True, why="host keys: the known_hosts policies and the connection that picks one"),
+        heavy=True, why="host keys: the known_hosts policies and the connection that picks one, "
+                        "against the host-key tests"),
     "ansible_action": Target(
         "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
-        ("tests/remote/test_fleet_ansible.py",), heavy=True),
+        ("tests/remote/test_mutation_ansible.py",), heavy=True,
+        why="a real ansible-playbook against the loopback sshd; the fleet plays "
+            "(test_fleet_ansible: minutes each) are left out of the per-mutant runs"),
 }
 
 
