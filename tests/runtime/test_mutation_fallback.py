@@ -33,3 +33,29 @@ def test_the_profiler_counts_each_fallback_step_under_its_batch_size(monkeypatch
     profiler = dyn._adapter_for(w.worker, variant).profiler
     assert isinstance(profiler, dyn.StepProfiler)
     assert list(profiler.summary()) == [3]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"threshold": "8"}, "threshold must be an integer >= 1, got '8'"),
+    ({"threshold": 8, "resume_below": "3"}, "resume_below must be an integer, got '3'"),
+    ({"threshold": 8, "resume_below": True}, "resume_below must be an integer, got True"),
+    ({"threshold": 8, "resume_below": 9}, "resume_below must be in [1, threshold], got 9 for 8"),
+    ({"threshold": 8, "min_dwell_steps": 1.5}, "min_dwell_steps must be an integer, got 1.5"),
+    ({"threshold": 8, "min_dwell_steps": 0}, "min_dwell_steps must be >= 1, got 0"),
+])
+def test_a_bad_controller_setting_says_which_and_what_it_got(kwargs, message):
+    with pytest.raises(ValueError) as bad:
+        dyn.DynSpecController(**kwargs)
+    assert str(bad.value) == message
+
+
+def test_a_switch_logs_the_steps_spent_in_the_mode_it_leaves():
+    lines: list[str] = []
+    controller = dyn.DynSpecController(threshold=4, min_dwell_steps=2, log=lines.append)
+    for bs in (9, 9, 9, 1, 1):
+        controller.decide(bs)
+    assert lines == [
+        "[dynspec] spec -> fallback at decode bs=9 (threshold=4, resume_below=3, "
+        "steps_in_prev_mode=2, switches=1, fallback_steps=0, spec_steps=0)",
+        "[dynspec] fallback -> spec at decode bs=1 (threshold=4, resume_below=3, "
+        "steps_in_prev_mode=3, switches=2, fallback_steps=3, spec_steps=0)"]
