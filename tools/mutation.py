@@ -97,8 +97,8 @@ TARGETS: dict[str, Target] = {
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
-        ("tests/codemods/test_mutation_engine.py", "tests/codemods/test_native_and_cli.py",
-         "tests/codemods/test_plan_cache.py"), why=CLI_LEVEL),
+        ("tests/codemods/test_mutation_engine.py", "tests/codemods/test_native_and_cli.py"),
+        why=CLI_LEVEL),
     "local": Target("dynspec_patch/patcher/local.py", ("tests/codemods/test_mutation_local.py",),
                     why=CLI_LEVEL),
     "remote_agent": Target(
@@ -113,8 +113,12 @@ TARGETS: dict[str, Target] = {
             "mutant (it imports mutmut) cannot run"),
     "router": Target(
         "dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",), heavy=True,
-        sample="0", why="its tests are whole fleets (sshd, sglang-router, load: minutes each "
-                        "here): a tenth of the mutants"),
+        functions=("x__same_url", *_methods("RouterClient", "remove", "add"), "x_drain",
+                   *_methods("Rotation", "resolve", "_require_another", "before_restart",
+                             "add_back")),
+        sample="0", why="the rotation's decisions (never the last healthy worker, drain, "
+                        "add back); its tests are whole fleets (sshd, sglang-router, load: "
+                        "minutes each here): a tenth of those mutants"),
     "container": Target(
         "dynspec_patch/patcher/container.py",
         ("tests/remote/test_container_pure.py", "tests/remote/test_mutation_container.py"),
@@ -123,18 +127,21 @@ TARGETS: dict[str, Target] = {
                     ),
         why="the pure decisions' tests; the Docker engine tests (test_remote_container) are "
             "left out of the per-mutant runs"),
-    "ssh": Target(
-        "dynspec_patch/patcher/ssh.py",
-        ("tests/remote/test_mutation_ssh.py",
-         "tests/remote/test_remote_apply.py::"
-         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
-         "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
+    "ssh_host_keys": Target(
+        "dynspec_patch/patcher/ssh.py", ("tests/remote/test_mutation_ssh.py",),
         functions=("x__known_hosts_name", *_methods("_AcceptNewPolicy", "__init__",
                                                     "missing_host_key"),
                    *_methods("_RejectPolicy", "missing_host_key"),
-                   *_methods("Connection", "__init__", "open")),
-        heavy=True, why="host keys: the known_hosts policies and the connection that picks one, "
-                        "against the host-key tests"),
+                   *_methods("Connection", "__init__")),
+        why="the known_hosts policies and the connection's default, on paramiko's objects"),
+    "ssh_connect": Target(
+        "dynspec_patch/patcher/ssh.py",
+        ("tests/remote/test_remote_apply.py::"
+         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
+         "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
+        functions=_methods("Connection", "open"), heavy=True, sample="05",
+        why="Connection.open (known_hosts loading, the policy it picks, changed keys) against "
+            "the loopback sshd's host-key tests: a fifth of its mutants"),
     "ansible_action": Target(
         "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
         ("tests/remote/test_mutation_ansible.py",), heavy=True,
@@ -161,6 +168,8 @@ def stage(name: str, target: Target) -> Path:
         "pytest_add_cli_args": PYTEST_ARGS,
         "pytest_add_cli_args_test_selection": list(target.tests),
         "use_git_change_detection": False,
+        # mutmut's default (15 x the clean run) calls slow runs on this shared machine timeouts
+        "timeout_multiplier": 40.0,
     }
     pytest_ini = {"testpaths": ["tests"],
                   "markers": ["slow: imports real SGLang modules on CPU",
