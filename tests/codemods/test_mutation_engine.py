@@ -249,3 +249,174 @@ def test_a_plan_is_refused_by_its_refusal_its_route_or_any_file():
         "operation": "apply", "sglang_version": "0.5.4", "route": "patch",
         "reason": "the reason", "refused": False, "files": [ok.to_json()],
         "server_flags": ["--f", "8"], "native": None}
+
+
+# ---------------------------------------------------------------- whole plans on a small tree
+# The codemods' own before/after texts (test_codemods_text) make a tree the engine accepts.
+
+
+def small_tree() -> dict[str, bytes | None]:
+    from tests.codemods.test_codemods_text import SERVER_ARGS_BEFORE, V1_BEFORE
+
+    tree: dict[str, bytes | None] = dict.fromkeys(engine.SNAPSHOT_PATHS)
+    tree.update({"version.py": b'__version__ = "0.5.4"\n', engine.KERNEL_PATHS[1]: PATCHABLE_KERNEL,
+                 ARGS: SERVER_ARGS_BEFORE.encode(), V1: V1_BEFORE.encode()})
+    return tree
+
+
+def applied(tree: dict[str, bytes | None], plan: Plan) -> dict[str, bytes | None]:
+    return {**tree, **{f.path: f.after for f in plan.files}}
+
+
+def rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
+    return [(f.path, f.state_before, f.state_after, f.action, f.reason) for f in plan.files]
+
+
+def test_apply_on_a_small_tree_patches_every_file_it_needs():
+    from tests.codemods.test_codemods_text import SERVER_ARGS_AFTER, V1_AFTER
+
+    tree = small_tree()
+    plan = engine.plan_apply(tree, threshold=8)
+    assert rows(plan) == [(RUNTIME, "unpatched", "patched", "added", "unpatched"),
+                          (ARGS, "unpatched", "patched", "patched", "unpatched"),
+                          (V1, "unpatched", "patched", "patched", "unpatched")]
+    assert (plan.operation, plan.sglang_version, plan.route) == ("apply", "0.5.4", "patch")
+    assert plan.reason == ("speculative workers present and patchable (0.4.4.post4 – "
+                           "0.5.13.post1 layout); workers: every worker file present")
+    assert plan.server_flags == ("--speculative-disable-batch-threshold", "8")
+    assert plan.patchable_workers == ("v1",)
+    after = {f.path: f for f in plan.files}
+    assert after[ARGS].after == SERVER_ARGS_AFTER.encode()
+    assert after[V1].after == V1_AFTER.encode()
+    assert b"class DynSpecController" in after[RUNTIME].after
+    assert after[ARGS].original == tree[ARGS] and after[RUNTIME].original is None
+    assert engine.plan_apply(tree).server_flags == ()
+
+
+def test_apply_again_changes_nothing():
+    tree = small_tree()
+    again = engine.plan_apply(applied(tree, engine.plan_apply(tree, threshold=8)), threshold=8)
+    assert [(p, b, a, act) for p, b, a, act, _ in rows(again)] == [
+        (RUNTIME, "patched", "patched", "unchanged"), (ARGS, "patched", "patched", "unchanged"),
+        (V1, "patched", "patched", "unchanged")]
+    assert {f.reason for f in again.files} == {f"patched by dynspec-patch {TOOL_VERSION}"}
+    assert again.changes == ()
+
+
+def test_a_newer_tools_patch_is_refused_and_nothing_else_is_written():
+    from tests.codemods.test_codemods_text import V1_AFTER
+
+    tree = {**small_tree(), V1: V1_AFTER.replace(TOOL_VERSION, "99.0").encode()}
+    plan = engine.plan_apply(tree, threshold=8)
+    assert plan.refused
+    assert rows(plan) == [
+        (RUNTIME, "unpatched", "unpatched", "skipped", "nothing is written while a file is "
+                                                       "refused"),
+        (ARGS, "unpatched", "unpatched", "skipped", "nothing is written while a file is refused"),
+        (V1, "patched", "patched", "refused", engine._newer_refusal("99.0"))]
+    assert plan.changes == ()
+
+
+def test_an_older_tools_patch_is_upgraded_with_the_true_original():
+    from tests.codemods.test_codemods_text import V1_AFTER, V1_BEFORE
+
+    older = V1_AFTER.replace(TOOL_VERSION, "0.0.9").encode()
+    plan = engine.plan_apply({**small_tree(), V1: older}, threshold=8)
+    change = next(f for f in plan.files if f.path == V1)
+    assert (change.state_before, change.action, change.after) == (
+        "patched", "patched", V1_AFTER.encode())
+    assert change.original == V1_BEFORE.encode()
+
+
+def test_the_workers_planned_follow_the_option_and_the_live_server():
+    tree = small_tree()
+    missing = engine.plan_apply(tree, threshold=8, worker="v2")
+    assert rows(missing)[-1] == (V2, "missing", "missing", "refused",
+                                 f"this release has no {V2} (v2 worker)")
+    assert [f.action for f in missing.files] == ["skipped", "skipped", "skipped", "refused"]
+    assert engine.plan_apply(tree, worker="v1").reason.endswith("; workers: --worker v1")
+    assert engine.plan_apply(tree, live_worker="v1").reason.endswith(
+        "; workers: the running server uses v1")
+    with_v2 = {**tree, V2: b"x = 1\n"}
+    not_selected = engine.plan_apply(with_v2, worker="v1")
+    assert rows(not_selected)[-1][:4] == (V2, "unknown", "unknown", "skipped")
+    assert rows(not_selected)[-1][4] == "not selected (--worker v1)"
+
+
+def test_an_unsupported_tree_gets_a_plan_without_files():
+    plan = engine.plan_apply({"version.py": b'__version__ = "0.5.4"\n'}, threshold=8)
+    assert (plan.route, plan.files, plan.refused) == ("unsupported", (), True)
+    assert engine.plan_status({}).route == "unsupported"
+    assert engine.plan_status({}).files == ()
+
+
+def test_revert_puts_every_file_back_hooks_first():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    plan = engine.plan_revert(patched)
+    assert [(p, b, a, act) for p, b, a, act, _ in rows(plan)] == [
+        (V1, "patched", "unpatched", "reverted"), (ARGS, "patched", "unpatched", "reverted"),
+        (RUNTIME, "patched", "unpatched", "removed")]
+    assert (plan.operation, plan.route, plan.reason) == (
+        "revert", "patch", "remove everything dynspec-patch inserted")
+    assert applied(patched, plan) == tree
+    assert [f.action for f in engine.plan_revert(tree).files] == ["unchanged", "unchanged"]
+    assert {f.reason for f in engine.plan_revert(tree).files} == {"not patched"}
+
+
+def _records(tree, patched) -> dict[str, FileRecord]:
+    return {p: FileRecord(p, sha(tree[p]), sha(patched[p])) for p in (RUNTIME, ARGS, V1)}
+
+
+def test_revert_guards_a_hand_edited_file_and_what_it_would_restore():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    recorded = _records(tree, patched)
+    edited = {**patched, ARGS: patched[ARGS] + b"# edited\n"}
+    plan = engine.plan_revert(edited, recorded=recorded)
+    assert rows(plan)[1] == (ARGS, "patched", "patched", "refused",
+                             "changed since dynspec-patch wrote it (sha256 differs from the "
+                             "manifest); --force reverts anyway, --restore-originals puts the "
+                             "saved original back")
+    assert [f.action for f in plan.files] == ["skipped", "refused", "skipped"]
+    forced = engine.plan_revert(edited, recorded=recorded, force=True)
+    assert [f.action for f in forced.files] == ["reverted", "reverted", "removed"]
+    restored = engine.plan_revert(edited, recorded=recorded, originals={ARGS: tree[ARGS]})
+    assert [f.action for f in restored.files] == ["reverted", "restored", "removed"]
+    assert applied(edited, restored) == tree
+    wrong_before = {**recorded, V1: FileRecord(V1, sha(b"another original"), sha(patched[V1]))}
+    assert rows(engine.plan_revert(patched, recorded=wrong_before))[0] == (
+        V1, "patched", "patched", "refused",
+        "reverting would not restore the bytes recorded at apply time")
+
+
+def test_revert_with_a_manifest_leaves_files_it_never_wrote():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    only_args = {ARGS: _records(tree, patched)[ARGS]}
+    half = {**patched, V1: tree[V1], RUNTIME: tree[RUNTIME]}
+    plan = engine.plan_revert(half, recorded=only_args)
+    assert rows(plan)[0] == (V1, "unpatched", "unpatched", "skipped",
+                             "never touched by dynspec-patch (not in the manifest)")
+    assert rows(plan)[1][3] == "reverted"
+    unknown = {**patched, ARGS: b"x = (\n"}
+    hinted = engine.plan_revert(unknown, recorded=_records(tree, patched))
+    assert hinted.files[1].action == "refused"
+    assert hinted.files[1].reason.endswith(
+        "; --restore-originals puts back the original saved at apply")
+    assert not engine.plan_revert(unknown).files[1].reason.endswith("at apply")
+
+
+def test_status_of_a_patched_small_tree():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    status = engine.plan_status(patched)
+    assert [(p, b, act) for p, b, _, act, _ in rows(status)] == [
+        (RUNTIME, "patched", "unchanged"), (ARGS, "patched", "unchanged"),
+        (V1, "patched", "unchanged")]
+    assert (status.operation, status.sglang_version, status.patchable_workers) == (
+        "status", "0.5.4", ("v1",))
+    assert status.reason.startswith("speculative workers present and patchable")
+    assert engine.tree_state(status, None, patched) == engine.TreeState("patched")
+    assert engine.tree_state(engine.plan_status(tree), None, tree) == engine.TreeState(
+        "original")
