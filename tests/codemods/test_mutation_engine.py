@@ -420,3 +420,34 @@ def test_status_of_a_patched_small_tree():
     assert engine.tree_state(status, None, patched) == engine.TreeState("patched")
     assert engine.tree_state(engine.plan_status(tree), None, tree) == engine.TreeState(
         "original")
+
+
+NATIVE_V2 = (b"class EAGLEWorkerV2:\n    def _build_trivial_verify_input(self):\n        pass\n"
+             b"    def forward_batch_generation(self, batch):\n        pass\n")
+
+
+def test_the_native_route_builds_its_config_or_refuses_a_server_it_cannot_serve():
+    tree = {ARGS: b"", V2: NATIVE_V2, "_version.py": b'__version__ = "0.5.14"\n'}
+    with pytest.raises(UsageError) as no_threshold:
+        engine.plan_apply(tree)
+    assert str(no_threshold.value) == "the native route needs --threshold N to build its config"
+    plan = engine.plan_apply(tree, threshold=8, native_config_path="/s/adaptive.json")
+    expected = engine.native_config(8, engine.DEFAULT_NUM_STEPS, "/s/adaptive.json", None)
+    assert (plan.route, plan.files, plan.native, plan.refusal) == ("native", (), expected, None)
+    assert plan.server_flags == expected.flags
+    assert engine.plan_apply(tree, threshold=8, num_steps=5).native == engine.native_config(
+        8, 5, engine.CONFIG_FILE_NAME, None)
+    assert engine.plan_apply(tree, threshold=8, cuda_graph_bs=[1, 2]).native == (
+        engine.native_config(8, engine.DEFAULT_NUM_STEPS, engine.CONFIG_FILE_NAME, [1, 2]))
+    refused = engine.plan_apply(tree, threshold=8, server_args={"speculative_eagle_topk": 4})
+    assert refused.refusal == (
+        "SGLang 0.5.14 switches --speculative-adaptive off for this server "
+        "(speculative_eagle_topk=4 (adaptive supports topk 1 only)): the threshold would do "
+        "nothing; nothing was written")
+    by_argv = engine.plan_apply(tree, threshold=8,
+                                server_argv=["--speculative-eagle-topk", "2"])
+    assert by_argv.refused
+    revert = engine.plan_revert(tree)
+    assert (revert.route, revert.reason, revert.files) == (
+        "native", "no source change to undo (native route)", ())
+    assert engine.plan_status(tree).route == "native"
