@@ -451,3 +451,52 @@ def test_the_native_route_builds_its_config_or_refuses_a_server_it_cannot_serve(
     assert (revert.route, revert.reason, revert.files) == (
         "native", "no source change to undo (native route)", ())
     assert engine.plan_status(tree).route == "native"
+
+
+def test_every_kept_file_keeps_its_bytes_and_says_why():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    only_args = {ARGS: _records(tree, patched)[ARGS]}
+    half = {**patched, V1: tree[V1]}
+    skipped = engine.plan_revert(half, recorded=only_args).files[0]
+    assert (skipped.before, skipped.after) == (tree[V1], tree[V1])
+    broken = {**patched, ARGS: b"x = (\n"}
+    refused = engine.plan_revert(broken).files[1]
+    analysis = engine.AddDisableThresholdArgCommand().analyse("x = (\n")
+    assert refused == FileChange.kept(ARGS, b"x = (\n", "unknown", "refused",
+                                      analysis.state.reason)
+    status = engine.plan_status(patched)
+    assert status.files[1] == FileChange.kept(ARGS, patched[ARGS], "patched", "unchanged",
+                                              f"patched by dynspec-patch {TOOL_VERSION}")
+    assert status.route == "patch"
+    assert engine.plan_status({"version.py": b'__version__ = "0.5.4"\n'}) == Plan(
+        "status", "0.5.4", "unsupported",
+        "no srt/server_args.py: not an SGLang package directory")
+    assert engine.plan_status(broken).files[1].reason == analysis.refusal
+
+
+def test_a_native_plan_carries_its_config_in_json():
+    config = engine.native_config(8, 3, "/s/adaptive.json", None)
+    plan = Plan("apply", "0.5.14", "native", "r", native=config)
+    assert plan.to_json()["native"] == config.to_json()
+
+
+def test_the_manifest_keeps_records_of_files_the_plan_does_not_touch():
+    previous = Manifest("0.5.4", (FileRecord("a.py", sha(b"true"), sha(b"p1")),
+                                  FileRecord("b.py", sha(b"b0"), sha(b"b1"))))
+    upgrade = Plan("apply", "0.5.4", "patch", "", (
+        FileChange("a.py", b"p1", b"p2", "patched", "patched", "patched"),))
+    assert engine.next_manifest(previous, upgrade).files == (
+        FileRecord("a.py", sha(b"true"), sha(b"p2")), FileRecord("b.py", sha(b"b0"), sha(b"b1")))
+    revert = Plan("revert", "0.5.4", "patch", "", (
+        FileChange("a.py", b"p1", b"orig", "patched", "unpatched", "reverted"),
+        FileChange("b.py", b"b1", b"b0", "patched", "unpatched", "reverted"),
+        FileChange("c.py", b"c1", b"c0", "patched", "unpatched", "reverted")))
+    assert engine.next_manifest(previous, revert) is None
+
+
+def test_unknown_files_are_problems_of_a_recorded_tree():
+    records = (FileRecord(ARGS, sha(b"a0"), sha(b"a1")),)
+    plan = _status(**{ARGS: "unpatched", V2: "unknown"})
+    assert engine.tree_state(plan, Manifest("0.5.4", records), {ARGS: b"a0"}) == (
+        engine.TreeState("original", (f"{V2}: {V2} is unknown",)))
