@@ -80,9 +80,10 @@ def _methods(cls: str, *names: str) -> tuple[str, ...]:
 
 
 RUNTIME = "dynspec_patch/transforms/runtime/dynspec_fallback.py"
-CLI_LEVEL = ("the CLI-level tests over real releases (test_local_safety, test_cli_contract, "
-             "test_pinned_releases: 10-35 s each on this machine) are left out of the "
-             "per-mutant runs; they can only add kills")
+CLI_LEVEL = ("the in-process tests on small trees; the tests over real releases "
+             "(test_local_safety, test_cli_contract, test_native_and_cli, test_pinned_releases: "
+             "10-35 s each on this machine) are left out of the per-mutant runs, they can only "
+             "add kills")
 
 TARGETS: dict[str, Target] = {
     "dynspec_fallback": Target(
@@ -97,10 +98,23 @@ TARGETS: dict[str, Target] = {
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
-        ("tests/codemods/test_mutation_engine.py", "tests/codemods/test_native_and_cli.py"),
+        ("tests/codemods/test_mutation_engine.py",), why=CLI_LEVEL),
+    "local": Target(
+        "dynspec_patch/patcher/local.py", ("tests/codemods/test_mutation_local.py",),
+        equivalent=(
+            *(("x_write_plan", piece, "the target was copied into undo/ a moment before, "
+               "under the lock: it cannot be missing here")
+              for piece in ("unlink(missing_ok=None)", "unlink(missing_ok=False)")),
+            *(("x__stage_all", piece, "every staged file was just written by this process")
+              for piece in ("unlink(missing_ok=None)", "unlink(missing_ok=False)")),
+            *(("x__stage", piece, "the compiled file is scratch: under any name beside the "
+               "staged file it is removed the same way")
+              for piece in ('"XX.pycXX"', '".PYC"')),
+            *(("x__stage", piece, "dfile names the file only in the traceback's location "
+               "line; the refusal keeps the error's last line")
+              for piece in ("dfile=None", "dfile=str(None)", "cfile=str(compiled), doraise")),
+        ),
         why=CLI_LEVEL),
-    "local": Target("dynspec_patch/patcher/local.py", ("tests/codemods/test_mutation_local.py",),
-                    why=CLI_LEVEL),
     "remote_agent": Target(
         "dynspec_patch/patcher/remote_agent.py",
         ("tests/remote/test_mutation_remote_agent.py", "tests/remote/test_remote_pure.py",
@@ -145,6 +159,17 @@ TARGETS: dict[str, Target] = {
     "ansible_action": Target(
         "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
         ("tests/remote/test_mutation_ansible.py",), heavy=True,
+        equivalent=(
+            *(("xǁActionModuleǁrun", call, "ansible-core's ActionBase.run ignores task_vars, "
+               "and ansible passes tmp=None (the only value it does not warn about)")
+              for call in ("super().run(None, task_vars)", "super().run(tmp, None)",
+                           "super().run(tmp, )")),
+            ("xǁActionModuleǁrun", '(pc.become_method or "XXsudoXX")',
+             "ansible's become_method is never empty (it defaults to sudo)"),
+            ("x__option", "(value is None) and False",
+             "with the ssh connection plugin an unset option and the play context's value "
+             "come from the same variables: the default is None exactly when the option is"),
+        ),
         why="a real ansible-playbook against the loopback sshd; the fleet plays "
             "(test_fleet_ansible: minutes each) are left out of the per-mutant runs"),
 }

@@ -239,3 +239,153 @@ def test_an_interrupted_commit_is_finished_by_the_next_lock(package: Path):
         assert tree.recovered is not None
     assert not local.interrupted(package)
     assert local.read_manifest(package).files == new_manifest.files
+
+
+def args_and_worker_plan(package: Path) -> Plan:
+    """Two changes in two directories, the second nested: srt/ and srt/speculative/."""
+    (package / WORKER).write_bytes(b"W = 0\n")
+    return apply_plan(patch_args(), FileChange(WORKER, b"W = 0\n", b"W = 1\n", "unpatched",
+                                               "patched", "patched"))
+
+
+WORKER = "srt/speculative/eagle_worker.py"
+
+
+def test_the_journal_and_undo_record_are_in_the_format_the_agent_shares(package: Path):
+    local.write_plan(package, apply_plan(patch_args()))  # a previous manifest
+    previous = (local.state_dir(package) / "manifest.json").read_bytes()
+    plan = apply_plan(patch_args(b"A = 1\n", b"A = 2\n"), add_runtime())
+    staged = local._stage_all(package, plan)
+    journal = local._prepare(package, plan, staged)
+    state = local.state_dir(package)
+    manifest = (state / "manifest.json").read_bytes()
+    assert json.loads((state / "journal.json").read_text()) == journal == {
+        "files": [{"path": ARGS, "before_sha": sha(b"A = 1\n"), "after_sha": sha(b"A = 2\n"),
+                   "tmp": str(staged[ARGS])},
+                  {"path": RUNTIME, "before_sha": None, "after_sha": sha(b"R = 1\n"),
+                   "tmp": str(staged[RUNTIME])}],
+        "manifest": local._b64(manifest), "clear_backup": False, "pending": None,
+        "clear_pending": False, "writer": "local"}
+    assert json.loads((state / "undo" / "meta.json").read_text()) == {
+        "files": [{"path": ARGS, "existed": True, "sha": sha(b"A = 1\n"),
+                   "after_sha": sha(b"A = 2\n")},
+                  {"path": RUNTIME, "existed": False, "sha": None, "after_sha": sha(b"R = 1\n")}],
+        "manifest": local._b64(previous), "pending": None, "manifest_managed": True}
+    assert (state / "undo" / ARGS).read_bytes() == b"A = 1\n"
+    assert Manifest.from_bytes(manifest).files == (
+        FileRecord(ARGS, sha(b"A = 0\n"), sha(b"A = 2\n")),
+        FileRecord(RUNTIME, None, sha(b"R = 1\n")))
+
+
+def test_a_commit_killed_between_two_renames_is_finished_by_the_next_run(package: Path):
+    import subprocess
+    import sys
+
+    plan = args_and_worker_plan(package)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from dynspec_patch.patcher import local\n"
+        "from dynspec_patch.patcher.engine import FileChange, Plan\n"
+        "changes = (FileChange('srt/server_args.py', b'A = 0\\n', b'A = 1\\n', 'unpatched',"
+        " 'patched', 'patched'), FileChange('srt/speculative/eagle_worker.py', b'W = 0\\n',"
+        " b'W = 1\\n', 'unpatched', 'patched', 'patched'))\n"
+        "local.write_plan(Path(sys.argv[1]), Plan('apply', '0.5.4', 'patch', '', changes))\n")
+    env = {**os.environ, local.FAULT_ENV: "die-mid-commit"}
+    killed = subprocess.run([sys.executable, "-c", script, str(package)], env=env, check=False)
+    assert killed.returncode == 9
+    assert (package / ARGS).read_bytes() == b"A = 1\n"
+    assert (package / WORKER).read_bytes() == b"W = 0\n"  # the second rename never happened
+    assert local.interrupted(package)
+    with local.locked(package) as tree:
+        assert tree.recovered == "rolled-forward"
+    assert (package / WORKER).read_bytes() == b"W = 1\n"
+    assert local.read_manifest(package).files == (
+        FileRecord(ARGS, sha(b"A = 0\n"), sha(b"A = 1\n")),
+        FileRecord(WORKER, sha(b"W = 0\n"), sha(b"W = 1\n")))
+    assert local.read_originals(package, (ARGS, WORKER)) == {ARGS: b"A = 0\n", WORKER: b"W = 0\n"}
+    assert plan.changes  # the plan written in the child is this one
+    # one change has no second rename to die before: the fault never fires
+    one = subprocess.run([sys.executable, "-c", script.replace(", FileChange('srt/spec", ")#"),
+                          str(package)], env=env, check=False)
+    assert one.returncode != 9
+
+
+def test_a_commit_whose_staged_file_was_lost_is_undone_to_the_previous_manifest(package: Path):
+    local.write_plan(package, apply_plan(patch_args()))
+    state = local.state_dir(package)
+    previous = (state / "manifest.json").read_bytes()
+    (package / WORKER).write_bytes(b"W = 0\n")
+    plan = apply_plan(patch_args(b"A = 1\n", b"A = 2\n"),
+                      FileChange(WORKER, b"W = 0\n", b"W = 1\n", "unpatched", "patched",
+                                 "patched"))
+    staged = local._stage_all(package, plan)
+    local._prepare(package, plan, staged)
+    os.replace(staged[ARGS], package / ARGS)
+    staged[WORKER].unlink()  # killed, and the staged file is gone
+    with local.locked(package) as tree:
+        assert tree.recovered == "rolled-back"
+    assert (package / ARGS).read_bytes() == b"A = 1\n"
+    assert (package / WORKER).read_bytes() == b"W = 0\n"
+    assert (state / "manifest.json").read_bytes() == previous
+    assert local.read_originals(package, (ARGS,)) == {ARGS: b"A = 0\n"}
+
+
+def test_a_restore_that_fails_says_the_journal_will_finish_it(package: Path):
+    plan = args_and_worker_plan(package)
+    staged = local._stage_all(package, plan)
+    local._prepare(package, plan, staged)
+    state = local.state_dir(package)
+    (state / "undo" / ARGS).write_bytes(b"damaged")
+    with pytest.raises(DynspecError) as failed:
+        local._roll_back(package)
+    assert str(failed.value) == (
+        f"a write failed and restoring the originals failed too (undo copy of {ARGS} is "
+        f"damaged); the journal in {state} lets the next run finish the job")
+    assert local.interrupted(package) and (state / "undo").is_dir()
+
+
+def test_a_roll_back_before_any_undo_record_only_drops_the_journal(package: Path):
+    state = local.state_dir(package)
+    state.mkdir()
+    (state / "journal.json").write_text("{}")
+    local._roll_back(package)
+    assert not local.interrupted(package)
+
+
+def test_a_restart_mark_left_by_a_remote_run_outlives_a_local_write(package: Path):
+    state = local.state_dir(package)
+    state.mkdir()
+    (state / "restart-pending.json").write_text('{"port": 30000}')
+    local.write_plan(package, apply_plan(patch_args()))
+    assert json.loads((state / "restart-pending.json").read_text()) == {"port": 30000}
+
+
+def test_an_atomic_write_that_fails_leaves_no_temp_file(package: Path, monkeypatch):
+    target = package / "srt" / "manifest.json"
+    renamed = []
+
+    def failing_replace(src, dst):
+        renamed.append(Path(src))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        local._atomic_write(target, b"{}")
+    assert renamed[0].parent == target.parent
+    assert re.fullmatch(r"\.manifest\.json\.\w+\.dynspec-tmp", renamed[0].name)
+    assert not renamed[0].exists() and not target.exists()
+
+
+def test_staging_compiles_beside_the_target_and_reports_the_error_line(package: Path,
+                                                                        monkeypatch):
+    monkeypatch.chdir(package.parent)
+    with pytest.raises(RefusedError) as refused:
+        local._stage(package / ARGS, b"A = (\n")
+    assert str(refused.value) == (
+        f"{package / ARGS} would not compile: SyntaxError: '(' was never closed")
+    staged = local._stage(package / ARGS, b"A = 2\n")
+    assert staged.read_bytes() == b"A = 2\n"
+    assert sorted(p.name for p in package.parent.iterdir()) == ["sglang"]
+    assert sorted(p.name for p in (package / "srt").iterdir()) == sorted(
+        ["server_args.py", "speculative", staged.name])

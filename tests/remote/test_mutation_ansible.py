@@ -10,7 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 from fleet_harness import ansible_playbook
 from remote_harness import OP_USER
 
@@ -23,9 +22,8 @@ PLAY = """\
 """
 
 
-@pytest.fixture(scope="module")
-def outcomes(sshd, tmp_path_factory) -> dict[str, dict]:
-    workdir: Path = tmp_path_factory.mktemp("ansible-plugin")
+def play(sshd, workdir: Path) -> dict[str, dict]:
+    """One play over one host per case; each host's failure, by host name."""
     reach = {"ansible_host": "127.0.0.1", "ansible_port": sshd.port, "ansible_user": OP_USER,
              "ansible_ssh_private_key_file": str(sshd.client_key),
              "ansible_ssh_common_args": f"-o UserKnownHostsFile={sshd.known_hosts}"}
@@ -47,30 +45,33 @@ def outcomes(sshd, tmp_path_factory) -> dict[str, dict]:
     found = {name: json.loads(result) for name, result in
              re.findall(r"^fatal: \[(\w+)\]: FAILED! => (\{.*\})$", run.stdout, re.M)}
     assert set(found) == set(hosts), run.stdout + run.stderr
+    assert "WARNING" not in run.stdout + run.stderr  # e.g. ActionBase.run given a tmp
     return found
 
 
-def test_a_reached_host_is_logged_into_with_the_inventorys_port_user_and_key(outcomes):
+# One test, one play: the play is what runs the plugin (in ansible-playbook's processes), and
+# mutmut counts a mutant's tests by who ran its code
+def test_the_plugin_refuses_become_it_cannot_honour_and_connects_as_the_inventory_says(
+        sshd, tmp_path):
+    outcomes = play(sshd, tmp_path)
+    # reached and logged into with the inventory's port, user and key
     assert outcomes["reached"]["msg"].startswith("no running SGLang server"), outcomes
     assert outcomes["sudo"]["msg"].startswith("no running SGLang server"), outcomes
 
-
-def test_become_other_than_passwordless_sudo_is_refused(outcomes):
+    # become other than passwordless sudo is refused
     assert outcomes["su"]["msg"] == (
         "become_method su is not supported: the host side runs under sudo -n")
     assert outcomes["password"]["msg"] == (
         "a become password is not supported: the host side runs under sudo -n (passwordless "
         "sudo, or log in as root)")
 
-
-def test_both_kinds_of_ssh_arguments_reach_ssh(outcomes):
+    # both kinds of SSH arguments reach ssh
     for name in ("common_args", "extra_args"):
         assert outcomes[name]["msg"] == (
             "127.0.0.1: ProxyCommand is not supported; use ProxyJump (-J)"), outcomes[name]
         assert outcomes[name]["exit_code"] == 2
 
-
-def test_port_user_and_key_come_from_the_inventory(outcomes):
+    # port, user and key come from the inventory
     assert "70000" in outcomes["bad_port"]["msg"]
     assert outcomes["bad_port"]["exit_code"] == 2
     for name in ("other_user", "other_key"):
