@@ -122,6 +122,16 @@ TARGETS: dict[str, Target] = {
         functions=("x_take_lock", "x_hold_flock", "x_lock_holder", "x_read_json", "x_read_bytes",
                    "x_sha256_file", "x_write_atomic", "x_recover_journal", "x_finish_commit",
                    "x_undo", "x_state_dir_for", "x_is_server_argv", "x_flag_value"),
+        equivalent=(
+            *((name, piece, "a lock line is under 100 bytes, and codec names are "
+               "case-insensitive") for name in ("x_hold_flock", "x_lock_holder")
+              for piece in ("os.read(fd, 4097)", 'decode("UTF-8"')),
+            ("x_hold_flock", "os.ftruncate(fd, 1)", "the line is then written from offset 0 "
+             "and is longer than one byte: the file ends up the same"),
+            *(("x_finish_commit", piece, "the restart mark is JSON, read back with read_json: "
+               "its indentation is no part of it")
+              for piece in ("indent=None", "json.dumps(pending, )", "indent=2")),
+        ),
         why="the lock, the journal (finish or undo an interrupted commit) and the server argv "
             "rules, in-process: over SSH the agent runs on the host's own python3, where a "
             "mutant (it imports mutmut) cannot run"),

@@ -256,7 +256,8 @@ def test_undo_refuses_without_information_or_with_a_damaged_copy(tree):
 
 
 @pytest.mark.parametrize(("argv", "value"), [
-    (["--port", "1"], "1"), (["--port=2"], "2"), (["--port", "1", "--port=3"], "3"),
+    (["--port", "1"], "1"), (["--port", "1", "--next"], "1"), (["--port=2"], "2"),
+    (["--port", "1", "--port=3"], "3"),
     (["--port"], None), (["--portx=1", "--ports", "2"], None), ([], None)])
 def test_a_flags_last_value_wins(argv, value):
     assert agent.flag_value(argv, "--port") == value
@@ -275,3 +276,148 @@ def test_a_flags_last_value_wins(argv, value):
     (["sglang"], False), ([], False)])
 def test_server_argv_forms(argv, server):
     assert agent.is_server_argv(argv) is server
+
+
+@pytest.fixture
+def umask_zero():
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_the_lock_files_modes_do_not_depend_on_the_umask(tmp_path: Path, umask_zero):
+    state = tmp_path / agent.STATE_DIRNAME
+    agent.take_lock(str(state))
+    assert stat.S_IMODE(state.stat().st_mode) == 0o755
+    assert stat.S_IMODE((state / "lock").stat().st_mode) == 0o644
+
+
+def test_an_existing_state_dir_is_locked_and_a_held_one_names_its_holder(tree):
+    _pkg, state = tree
+    (state / "lock").write_text("pid 3 user carol since then\n")
+    holder = os.open(state / "lock", os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(agent.Busy) as busy:
+            agent.take_lock(str(state))
+        assert str(busy.value) == (f"another dynspec-patch run holds {state / 'lock'} "
+                                   "(pid 3 user carol since then)")
+    finally:
+        os.close(holder)
+    agent.take_lock(str(state))
+    assert agent._lock_fd is not None
+
+
+def test_a_state_dir_it_may_not_write_is_refused_in_one_line(tmp_path: Path, monkeypatch):
+    import errno
+    import getpass
+
+    def denied(*_args, **_kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "makedirs", denied)
+    with pytest.raises(agent.Refused) as refused:
+        agent.take_lock(str(tmp_path / agent.STATE_DIRNAME))
+    assert str(refused.value) == (
+        f"{tmp_path} is not writable by {getpass.getuser()} (and sudo -n is not available): "
+        "nothing was written")
+
+    def read_only(*_args, **_kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "makedirs", read_only)
+    with pytest.raises(agent.Refused) as refused:
+        agent.take_lock(str(tmp_path / agent.STATE_DIRNAME))
+    assert str(refused.value) == f"{tmp_path} is on a read-only filesystem: nothing was written"
+
+
+def test_a_holder_line_that_is_not_utf8_is_still_shown(tmp_path: Path):
+    path = tmp_path / "lock"
+    path.write_bytes(b"pid 9 user \xff since then\n")
+    holder = os.open(path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        assert agent.lock_holder(str(tmp_path)) == "pid 9 user \ufffd since then"
+        fd = os.open(path, os.O_RDWR)
+        with pytest.raises(agent.Busy) as busy:
+            agent.hold_flock(fd, "x")
+        assert str(busy.value) == "x (pid 9 user \ufffd since then)"
+    finally:
+        os.close(holder)
+
+
+def test_the_holder_line_is_stamped_in_utc_whatever_the_zone(tmp_path: Path, monkeypatch):
+    import datetime
+    import time
+
+    from dynspec_patch.patcher import local
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+5:30: a local stamp is hours off
+    time.tzset()
+    try:
+        fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT)
+        try:
+            agent.hold_flock(fd, "busy")
+        finally:
+            os.close(fd)
+        lines = [(tmp_path / "lock").read_text(), local._lock_line()]
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    now = datetime.datetime.now(datetime.UTC)
+    for line in lines:
+        stamp = datetime.datetime.strptime(line.split(" since ")[1].strip(),
+                                           "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+        assert abs((now - stamp).total_seconds()) < 600, line
+
+
+def test_temporary_files_are_written_beside_their_target(tree, monkeypatch):
+    pkg, state = tree
+    renamed = []
+    real_rename = os.rename
+
+    def recording_rename(src, dst):
+        renamed.append((src, dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", recording_rename)
+    agent.write_atomic(str(state / "manifest.json"), b"M")
+    (pkg / "srt/a.py").write_bytes(b"A1")
+    _undo_meta(state, pkg, {"srt/a.py": b"A0"})
+    agent.undo(str(state), str(pkg))
+    assert renamed[0] == (str(state / f".manifest.json.dynspec-{os.getpid()}.tmp"),
+                          str(state / "manifest.json"))
+    assert (str(pkg / "srt/.a.py.dynspec-undo.tmp"), str(pkg / "srt/a.py")) in renamed
+
+
+def test_a_journal_without_files_still_finishes(tree):
+    pkg, state = tree
+    (state / "journal.json").write_text(json.dumps({"manifest": b64(b"M")}))
+    assert agent.recover_journal(str(state), str(pkg)) == {"action": "rolled-forward",
+                                                          "files": []}
+    assert (state / "manifest.json").read_bytes() == b"M"
+
+
+def test_recoveries_are_audited_word_for_word(tree):
+    pkg, state = tree
+    (pkg / "srt/a.py").write_bytes(b"A0")
+    staged = pkg / "srt/.a.py.dynspec-stage.tmp"
+    staged.write_bytes(b"A1")
+    _journal(state, [{"path": "srt/a.py", "after_sha": sha(b"A1"), "tmp": str(staged)}])
+    agent.recover_journal(str(state), str(pkg))
+    _journal(state, [{"path": "srt/a.py", "after_sha": sha(b"A2"), "tmp": None}])
+    _undo_meta(state, pkg, {"srt/a.py": b"A0"})
+    agent.recover_journal(str(state), str(pkg))
+    lines = [line.split(" ", 1)[1] for line in (state / "audit.log").read_text().splitlines()]
+    assert lines == ["recovered interrupted commit by finishing it (1 files)",
+                     "recovered interrupted commit by undoing it"]
+
+
+def test_clearing_originals_that_were_never_saved_is_not_an_error(tree):
+    pkg, state = tree
+    (state / "journal.json").write_text("{}")
+    agent.finish_commit(str(state), {"manifest": None, "clear_backup": True})
+    (pkg / "srt/a.py").write_bytes(b"A1")
+    _undo_meta(state, pkg, {"srt/a.py": b"A0"}, manifest=None)
+    agent.undo(str(state), str(pkg))
+    assert not (state / "originals").exists()
