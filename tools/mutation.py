@@ -113,6 +113,9 @@ TARGETS: dict[str, Target] = {
             *(("x__stage", piece, "dfile names the file only in the traceback's location "
                "line; the refusal keeps the error's last line")
               for piece in ("dfile=None", "dfile=str(None)", "cfile=str(compiled), doraise")),
+            *(("x_write_native_config", piece, "the state directory's parent is the package's "
+               "parent, which exists") for piece in ("parents=None", "parents=False",
+                                                     "mkdir(exist_ok=True)")),
         ),
         why=CLI_LEVEL),
     "remote_agent": Target(

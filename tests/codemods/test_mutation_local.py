@@ -389,3 +389,38 @@ def test_staging_compiles_beside_the_target_and_reports_the_error_line(package: 
     assert sorted(p.name for p in package.parent.iterdir()) == ["sglang"]
     assert sorted(p.name for p in (package / "srt").iterdir()) == sorted(
         ["server_args.py", "speculative", staged.name])
+
+
+def test_a_rename_that_fails_midway_puts_the_renamed_file_back(package: Path, monkeypatch):
+    local.write_plan(package, apply_plan(patch_args()))
+    state = local.state_dir(package)
+    manifest = (state / "manifest.json").read_bytes()
+    plan = args_and_worker_plan(package)
+    plan = apply_plan(patch_args(b"A = 1\n", b"A = 2\n"), plan.files[1])
+    real_replace = os.replace
+    renames = []
+
+    def second_rename_fails(src, dst):
+        if Path(dst) == package / WORKER:
+            raise OSError(28, "No space left on device", str(dst))
+        renames.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(DynspecError) as failed:
+        local.write_plan(package, plan)
+    monkeypatch.undo()
+    assert package / ARGS in [Path(p) for p in renames]  # the first rename had happened
+    assert str(failed.value) == (f"writing {package / WORKER} failed (No space left on "
+                                 "device); every file was restored")
+    assert (package / ARGS).read_bytes() == b"A = 1\n"
+    assert (package / WORKER).read_bytes() == b"W = 0\n"
+    assert (state / "manifest.json").read_bytes() == manifest
+    assert not (state / "undo").exists() and not local.interrupted(package)
+    assert not [p for p in (package / "srt").rglob(".*")]
+
+
+def test_the_native_config_is_rewritten_in_place(package: Path):
+    local.write_native_config(package, {"threshold": 8})
+    path = local.write_native_config(package, {"threshold": 16, "steps": [1, 2]})
+    assert path.read_text() == '{\n  "threshold": 16,\n  "steps": [\n    1,\n    2\n  ]\n}\n'
