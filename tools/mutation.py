@@ -285,7 +285,7 @@ def show(where: Path, mutant: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("modules", nargs="*", choices=[[], *TARGETS], metavar="MODULE",
+    parser.add_argument("modules", nargs="*", metavar="MODULE",
                         help=f"one of {', '.join(TARGETS)} (default: all)")
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutants (2)")
     parser.add_argument("--survivors", action="store_true", help="print each survivor's diff")
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="print the table of the last run, run nothing")
     args = parser.parse_args(argv)
+    if unknown := [name for name in args.modules if name not in TARGETS]:
+        parser.error(f"unknown module {', '.join(unknown)}: one of {', '.join(TARGETS)}")
     rows = []
     for name in args.modules or TARGETS:
         target = TARGETS[name]
@@ -331,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<18} {result.total:>7} {counts['killed']:>7} {counts['survived']:>8} "
               f"{counts['timeout']:>7} {counts['no tests']:>8} {counts['equivalent']:>6} "
               f"{share:>7.1f}%")
+    print()
+    for name, _result in rows:
+        target = TARGETS[name]
+        scope = f"functions: {', '.join(target.functions)}" if target.functions else "every function"
+        sample = f", mutants numbered *[{target.sample}]" if target.sample else ""
+        print(f"{name}: {target.path}; {scope}{sample}; tests: {', '.join(target.tests)}"
+              + (f" ({target.why})" if target.why else ""))
     return 0
 
 
