@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, _result in rows:
         target = TARGETS[name]
-        scope = f"functions: {', '.join(target.functions)}" if target.functions else "every function"
+        scope = (f"functions: {', '.join(target.functions)}" if target.functions
+                 else "every function")
         sample = f", mutants numbered *[{target.sample}]" if target.sample else ""
         print(f"{name}: {target.path}; {scope}{sample}; tests: {', '.join(target.tests)}"
               + (f" ({target.why})" if target.why else ""))
