@@ -100,8 +100,21 @@ TARGETS: dict[str, Target] = {
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",), why=CLI_LEVEL),
     "local": Target(
-        "dynspec_patch/patcher/local.py", ("tests/codemods/test_mutation_local.py",),
+        "dynspec_patch/patcher/local.py",
+        ("tests/codemods/test_mutation_local.py",
+         "tests/remote/test_mutation_remote_agent.py::"
+         "test_the_holder_line_is_stamped_in_utc_whatever_the_zone"),
         equivalent=(
+            ("x__recover", "(done) or True", "recover_journal returns None only when there is "
+             "no journal, which _recover has just checked"),
+            *((name, piece, "the undo directory exists here (written by _prepare, or read by "
+               "undo a moment before), so there is no error to ignore")
+              for name in ("x_write_plan", "x__roll_back")
+              for piece in ("ignore_errors=None", '"undo", )', "ignore_errors=False")),
+            ("x__prepare", "shutil.rmtree(None, ignore_errors=True)", "no undo directory is "
+             "left at this point: the lock's housekeeping and every write_plan end remove it"),
+            ("x__atomic_write", "contextlib.suppress(None)", "the temporary file exists "
+             "until it is replaced, so unlinking it after a failure cannot miss"),
             *(("x_write_plan", piece, "the target was copied into undo/ a moment before, "
                "under the lock: it cannot be missing here")
               for piece in ("unlink(missing_ok=None)", "unlink(missing_ok=False)")),
