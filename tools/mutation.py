@@ -276,7 +276,7 @@ def outcome(where: Path, target: Target) -> Outcome:
             status = "equivalent"
             result.equivalents.append(f"{mutant}: {why}")
         result.counts[status] += 1
-        if status not in ("killed", "equivalent"):
+        if status not in ("killed", "equivalent", "not checked"):
             result.survivors.append(f"{mutant} ({status})")
     return result
 
@@ -336,16 +336,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.survivors:
                 print(show(where, survivor.split(" ")[0]))
     print()
-    print("% killed: killed / (mutants - reviewed equivalents); a timeout is not a kill")
-    print(f"{'module':<18} {'mutants':>7} {'killed':>7} {'survived':>8} {'timeout':>7} "
-          f"{'no tests':>8} {'equiv.':>6} {'% killed':>8}")
+    print("% killed: killed / (mutants run - reviewed equivalents); a timeout is not a kill; "
+          "other: mutmut's suspicious (the test process died) and the like")
+    print(f"{'module':<16} {'mutants':>7} {'not run':>7} {'killed':>6} {'survived':>8} "
+          f"{'timeout':>7} {'no tests':>8} {'other':>5} {'equiv.':>6} {'% killed':>8}")
     for name, result in rows:
         counts = result.counts
-        judged = result.total - counts["equivalent"]
+        named = ("killed", "survived", "timeout", "no tests", "equivalent", "not checked")
+        other = result.total - sum(counts[k] for k in named)
+        judged = result.total - counts["equivalent"] - counts["not checked"]
         share = 100 * counts["killed"] / judged if judged else 0.0
-        print(f"{name:<18} {result.total:>7} {counts['killed']:>7} {counts['survived']:>8} "
-              f"{counts['timeout']:>7} {counts['no tests']:>8} {counts['equivalent']:>6} "
-              f"{share:>7.1f}%")
+        print(f"{name:<16} {result.total:>7} {counts['not checked']:>7} {counts['killed']:>6} "
+              f"{counts['survived']:>8} {counts['timeout']:>7} {counts['no tests']:>8} "
+              f"{other:>5} {counts['equivalent']:>6} {share:>7.1f}%")
     print()
     for name, _result in rows:
         target = TARGETS[name]
