@@ -59,3 +59,14 @@ def test_a_switch_logs_the_steps_spent_in_the_mode_it_leaves():
         "steps_in_prev_mode=2, switches=1, fallback_steps=0, spec_steps=0)",
         "[dynspec] fallback -> spec at decode bs=1 (threshold=4, resume_below=3, "
         "steps_in_prev_mode=3, switches=2, fallback_steps=3, spec_steps=0)"]
+
+
+def test_batches_without_the_optional_fields_are_judged_by_what_they_have():
+    from types import SimpleNamespace
+
+    from tests.runtime.standins import ForwardMode
+
+    assert dyn._has_grammar(SimpleNamespace(sampling_info=SimpleNamespace())) is False
+    assert dyn._is_pure_decode(SimpleNamespace(forward_mode=ForwardMode.DECODE)) is True
+    mixed = SimpleNamespace(forward_mode=ForwardMode.DECODE, is_extend_in_batch=True)
+    assert dyn._is_pure_decode(mixed) is False
