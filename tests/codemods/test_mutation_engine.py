@@ -500,3 +500,48 @@ def test_unknown_files_are_problems_of_a_recorded_tree():
     plan = _status(**{ARGS: "unpatched", V2: "unknown"})
     assert engine.tree_state(plan, Manifest("0.5.4", records), {ARGS: b"a0"}) == (
         engine.TreeState("original", (f"{V2}: {V2} is unknown",)))
+
+
+def test_every_planned_file_carries_its_path_bytes_and_reason():
+    from tests.codemods.test_codemods_text import V1_AFTER
+
+    tree = small_tree()
+    with pytest.raises(UsageError):
+        engine.plan_apply(tree, threshold=0)
+    fresh = engine.plan_apply(tree, threshold=8)
+    assert fresh.files[1] == FileChange(ARGS, tree[ARGS], fresh.files[1].after, "unpatched",
+                                        "patched", "patched", "unpatched", original=tree[ARGS])
+    newer = {**tree, V1: V1_AFTER.replace(TOOL_VERSION, "99.0").encode()}
+    assert engine.plan_apply(newer).files[2] == FileChange.kept(
+        V1, newer[V1], "patched", "refused", engine._newer_refusal("99.0"))
+    foreign = {**tree, V1: b"x = 1\n"}
+    refused = engine.plan_apply(foreign, worker="v1").files[2]
+    analysis = engine.HookEagleWorkerCommand().analyse("x = 1\n")
+    assert refused == FileChange.kept(V1, b"x = 1\n", "unknown", "refused", analysis.refusal)
+    with_v2 = {**tree, V2: b"x = 1\n"}
+    assert engine.plan_apply(with_v2, worker="v1").files[3] == FileChange.kept(
+        V2, b"x = 1\n", "unknown", "skipped", "not selected (--worker v1)")
+    unsupported = engine.plan_apply({"version.py": b'__version__ = "0.5.4"\n'})
+    assert (unsupported.operation, unsupported.sglang_version) == ("apply", "0.5.4")
+    native = engine.plan_apply({ARGS: b"", V2: NATIVE_V2}, threshold=8)
+    assert native.operation == "apply"
+
+
+def test_every_reverted_file_carries_its_path_bytes_and_reason():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    plan = engine.plan_revert(patched)
+    assert (plan.sglang_version, plan.files[1]) == ("0.5.4", FileChange(
+        ARGS, patched[ARGS], tree[ARGS], "patched", "unpatched", "reverted",
+        f"patched by dynspec-patch {TOOL_VERSION}"))
+    assert engine.plan_revert(tree).files[0] == FileChange.kept(
+        V1, tree[V1], "unpatched", "unchanged", "not patched")
+    recorded = _records(tree, patched)
+    edited = {**patched, ARGS: patched[ARGS] + b"# edited\n"}
+    assert engine.plan_revert(edited, recorded=recorded).files[1].before == edited[ARGS]
+    wrong_before = {**recorded, V1: FileRecord(V1, sha(b"another"), sha(patched[V1]))}
+    refused = engine.plan_revert(patched, recorded=wrong_before).files[0]
+    assert (refused.before, refused.after) == (patched[V1], patched[V1])
+    native = engine.plan_revert({ARGS: b"", V2: NATIVE_V2,
+                                 "_version.py": b'__version__ = "0.5.14"\n'})
+    assert (native.operation, native.sglang_version) == ("revert", "0.5.14")
