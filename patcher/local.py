@@ -191,15 +191,13 @@ def _remove_temp_files(package: Path, state: Path) -> list[str]:
 # --------------------------------------------------------------------------- writing
 
 
-def _atomic_write(target: Path, data: bytes, mode: int | None = None) -> None:
+def _atomic_write(target: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".dynspec-tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

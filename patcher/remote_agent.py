@@ -577,13 +577,8 @@ def recover_journal(state, pkg):
     journal = read_json(os.path.join(state, "journal.json"))
     if journal is None:
         return None
-    done, pending = [], []
-    for f in journal.get("files", []):
-        target = os.path.join(pkg, f["path"])
-        if sha256_file(target) == f["after_sha"]:
-            done.append(f)
-        else:
-            pending.append(f)
+    pending = [f for f in journal.get("files", [])
+               if sha256_file(os.path.join(pkg, f["path"])) != f["after_sha"]]
     rolled = all(
         (f["after_sha"] is None) or (f.get("tmp") and sha256_file(f["tmp"]) == f["after_sha"])
         for f in pending

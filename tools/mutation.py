@@ -1,0 +1,372 @@
+"""Mutation testing of dynspec-patch's safety-critical modules, on demand (not in CI).
+
+    .venv/bin/pip install -e '.[test,mutation]'
+    .venv/bin/python tools/mutation.py                  # every module below
+    .venv/bin/python tools/mutation.py engine local     # some of them
+    .venv/bin/python tools/mutation.py --survivors      # and the diff of each surviving mutant
+
+mutmut 3 makes each mutant of a module, runs the tests that guard that module against it, and
+this prints killed / survived / timeout per module. Modules whose tests need sshd or docker run
+under the heavy lock (``flock /tmp/dynspec-heavy.lock``), as every such test run on the shared
+machine must.
+
+Why a stage directory: the package installs as ``dynspec_patch.*`` from ``patcher/``,
+``transforms/`` and ``fixtures/`` (setuptools package-dir), but mutmut names a mutant after its
+file's path, and a mutant is only live in a module whose import name is that path. So each module
+runs in ``.mutation/<module>/``, a copy of the tree laid out as the package installs
+(``dynspec_patch/patcher/engine.py`` …) beside ``tests/`` and ``ansible_collections/``; mutmut
+copies it into ``mutants/`` and puts that first on ``sys.path``, ahead of the editable install.
+Tests that run the CLI or ansible-playbook in a process of their own get the mutants through
+``PYTHONPATH``, and ``tools/mutation_hits/`` tells mutmut which mutated functions those processes
+ran, so those tests count for those functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HITS = ROOT / "tools" / "mutation_hits"
+HEAVY_LOCK = "/tmp/dynspec-heavy.lock"
+# the layout of the installed package: directory in the checkout -> its import path
+PACKAGE_DIRS = {"patcher": "dynspec_patch/patcher", "transforms": "dynspec_patch/transforms",
+                "fixtures": "dynspec_patch/fixtures"}
+PYTEST_ARGS = ["-m", "not slow", "--import-mode=importlib", "-p", "no:cacheprovider",
+               "-p", "mutation_hits_plugin"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module, the tests that guard it, and (optionally) the functions to mutate.
+
+    ``functions`` are mutmut's names without the module: ``x_name`` for a function,
+    ``xǁClassǁname`` for a method; an empty tuple mutates every function of the file.
+    """
+
+    path: str  # in the staged layout
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+    heavy: bool = False  # the tests start sshd or docker: run under the heavy lock
+    why: str = ""  # why the tests or the functions are restricted
+    # reviewed survivors that change nothing a user can see: (function, a piece of the mutated
+    # line as `mutmut show` prints it, why); matched on the text, not mutmut's numbers, which
+    # move when the code does
+    equivalent: tuple[tuple[str, str, str], ...] = ()
+    # run only the mutants whose number ends in one of these digits ("0": a tenth, "05": a
+    # fifth), where the guarding tests take minutes each; empty: every mutant
+    sample: str = ""
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        last = f"[{self.sample}]" if self.sample else ""
+        return [f"{self.module}.{name}__mutmut_*{last}" for name in self.functions or ("*",)]
+
+
+def _methods(cls: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"xǁ{cls}ǁ{name}" for name in names)
+
+
+RUNTIME = "dynspec_patch/transforms/runtime/dynspec_fallback.py"
+CLI_LEVEL = ("the in-process tests on small trees; the tests over real releases "
+             "(test_local_safety, test_cli_contract, test_native_and_cli, test_pinned_releases: "
+             "10-35 s each on this machine) are left out of the per-mutant runs, they can only "
+             "add kills")
+
+TARGETS: dict[str, Target] = {
+    "dynspec_fallback": Target(
+        RUNTIME, ("tests/runtime",),
+        functions=(
+            *_methods("DynSpecController", "__init__", "decide", "_switch"),
+            "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
+            "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
+        ),
+        why="the controller and the step decisions: whether a step runs speculative or the "
+            "fallback (the fallback steps themselves, _v1_step/_v2_step, ~400 mutants at ~10 s "
+            "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
+    "engine": Target(
+        "dynspec_patch/patcher/engine.py",
+        ("tests/codemods/test_mutation_engine.py",),
+        equivalent=(
+            *((name, '"UTF-8"', "codec names are case-insensitive")
+              for name in ("x__encode", "x__text", "x_release_version")),
+            *(("x__route", piece, "the kernels' text is searched for a name and a one-line "
+               "def: a separator between the two files cannot make or break a match")
+              for piece in ('"XXXX".join', 'or "XXXX" for path')),
+        ),
+        why=CLI_LEVEL),
+    "local": Target(
+        "dynspec_patch/patcher/local.py",
+        ("tests/codemods/test_mutation_local.py",
+         "tests/remote/test_mutation_remote_agent.py::"
+         "test_the_holder_line_is_stamped_in_utc_whatever_the_zone"),
+        equivalent=(
+            ("x__recover", "(done) or True", "recover_journal returns None only when there is "
+             "no journal, which _recover has just checked"),
+            *((name, piece, "the undo directory exists here (written by _prepare, or read by "
+               "undo a moment before), so there is no error to ignore")
+              for name in ("x_write_plan", "x__roll_back")
+              for piece in ("ignore_errors=None", '"undo", )', "ignore_errors=False")),
+            ("x__prepare", "shutil.rmtree(None, ignore_errors=True)", "no undo directory is "
+             "left at this point: the lock's housekeeping and every write_plan end remove it"),
+            ("x__atomic_write", "contextlib.suppress(None)", "the temporary file exists "
+             "until it is replaced, so unlinking it after a failure cannot miss"),
+            *(("x_write_plan", piece, "the target was copied into undo/ a moment before, "
+               "under the lock: it cannot be missing here")
+              for piece in ("unlink(missing_ok=None)", "unlink(missing_ok=False)")),
+            *(("x__stage_all", piece, "every staged file was just written by this process")
+              for piece in ("unlink(missing_ok=None)", "unlink(missing_ok=False)")),
+            *(("x__stage", piece, "the compiled file is scratch: under any name beside the "
+               "staged file it is removed the same way")
+              for piece in ('"XX.pycXX"', '".PYC"')),
+            *(("x__stage", piece, "dfile names the file only in the traceback's location "
+               "line; the refusal keeps the error's last line")
+              for piece in ("dfile=None", "dfile=str(None)", "cfile=str(compiled), doraise")),
+            *(("x_write_native_config", piece, "the state directory's parent is the package's "
+               "parent, which exists") for piece in ("parents=None", "parents=False",
+                                                     "mkdir(exist_ok=True)")),
+        ),
+        why=CLI_LEVEL),
+    "remote_agent": Target(
+        "dynspec_patch/patcher/remote_agent.py",
+        ("tests/remote/test_mutation_remote_agent.py", "tests/remote/test_remote_pure.py",
+         "tests/remote/test_container_pure.py", "tests/codemods/test_mutation_local.py"),
+        functions=("x_take_lock", "x_hold_flock", "x_lock_holder", "x_read_json", "x_read_bytes",
+                   "x_sha256_file", "x_write_atomic", "x_recover_journal", "x_finish_commit",
+                   "x_undo", "x_state_dir_for", "x_is_server_argv", "x_flag_value"),
+        equivalent=(
+            *((name, piece, "a lock line is under 100 bytes, and codec names are "
+               "case-insensitive") for name in ("x_hold_flock", "x_lock_holder")
+              for piece in ("os.read(fd, 4097)", 'decode("UTF-8"')),
+            ("x_hold_flock", "os.ftruncate(fd, 1)", "the line is then written from offset 0 "
+             "and is longer than one byte: the file ends up the same"),
+            *(("x_finish_commit", piece, "the restart mark is JSON, read back with read_json: "
+               "its indentation is no part of it")
+              for piece in ("indent=None", "json.dumps(pending, )", "indent=2")),
+        ),
+        why="the lock, the journal (finish or undo an interrupted commit) and the server argv "
+            "rules, in-process: over SSH the agent runs on the host's own python3, where a "
+            "mutant (it imports mutmut) cannot run"),
+    "router": Target(
+        "dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",), heavy=True,
+        functions=("x__same_url", *_methods("RouterClient", "remove", "add"), "x_drain",
+                   *_methods("Rotation", "resolve", "_require_another", "before_restart",
+                             "add_back")),
+        sample="0", why="the rotation's decisions (never the last healthy worker, drain, "
+                        "add back); its tests are whole fleets (sshd, sglang-router, load: "
+                        "minutes each here): a tenth of those mutants"),
+    "container": Target(
+        "dynspec_patch/patcher/container.py",
+        ("tests/remote/test_container_pure.py", "tests/remote/test_mutation_container.py"),
+        equivalent=(("x_durability", "rstrip('XX/XX')",
+                     "strips X as well as /: a package directory is .../sglang, never ends in X"),
+                    ),
+        why="the pure decisions' tests; the Docker engine tests (test_remote_container) are "
+            "left out of the per-mutant runs"),
+    "ssh_host_keys": Target(
+        "dynspec_patch/patcher/ssh.py", ("tests/remote/test_mutation_ssh.py",),
+        functions=("x__known_hosts_name", *_methods("_AcceptNewPolicy", "__init__",
+                                                    "missing_host_key"),
+                   *_methods("_RejectPolicy", "missing_host_key"),
+                   *_methods("Connection", "__init__")),
+        why="the known_hosts policies and the connection's default, on paramiko's objects"),
+    "ssh_connect": Target(
+        "dynspec_patch/patcher/ssh.py",
+        ("tests/remote/test_remote_apply.py::"
+         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
+         "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
+        functions=_methods("Connection", "open"), heavy=True, sample="05",
+        why="Connection.open (known_hosts loading, the policy it picks, changed keys) against "
+            "the loopback sshd's host-key tests: a fifth of its mutants"),
+    "ansible_action": Target(
+        "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
+        ("tests/remote/test_mutation_ansible.py",), heavy=True,
+        equivalent=(
+            *(("xǁActionModuleǁrun", call, "ansible-core's ActionBase.run ignores task_vars, "
+               "and ansible passes tmp=None (the only value it does not warn about)")
+              for call in ("super().run(None, task_vars)", "super().run(tmp, None)",
+                           "super().run(tmp, )")),
+            ("xǁActionModuleǁrun", '(pc.become_method or "XXsudoXX")',
+             "ansible's become_method is never empty (it defaults to sudo)"),
+            ("x__option", "(value is None) and False",
+             "with the ssh connection plugin an unset option and the play context's value "
+             "come from the same variables: the default is None exactly when the option is"),
+        ),
+        why="a real ansible-playbook against the loopback sshd; the fleet plays "
+            "(test_fleet_ansible: minutes each) are left out of the per-mutant runs"),
+}
+
+
+def stage(name: str, target: Target) -> Path:
+    """A fresh ``.mutation/<name>/``: the tree as the package installs, tests, mutmut's config."""
+    where = ROOT / ".mutation" / name
+    shutil.rmtree(where, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for source, dest in PACKAGE_DIRS.items():
+        shutil.copytree(ROOT / source, where / dest, ignore=ignore)
+    for tree in ("tests", "ansible_collections"):
+        shutil.copytree(ROOT / tree, where / tree, ignore=ignore)
+    # ansible-playbook gets PYTHONPATH=<the tree> (tests/remote/fleet_harness.py): mutants/
+    shutil.copy2(HITS / "sitecustomize.py", where / "sitecustomize.py")
+    mutmut = {
+        "source_paths": ["dynspec_patch", "ansible_collections"],
+        "only_mutate": [target.path],
+        "also_copy": ["sitecustomize.py"],
+        "pytest_add_cli_args": PYTEST_ARGS,
+        "pytest_add_cli_args_test_selection": list(target.tests),
+        "use_git_change_detection": False,
+        # mutmut's default (15 x the clean run) calls slow runs on this shared machine timeouts
+        "timeout_multiplier": 40.0,
+    }
+    pytest_ini = {"testpaths": ["tests"],
+                  "markers": ["slow: imports real SGLang modules on CPU",
+                              "ssh: needs the loopback sshd started by tests/remote fixtures"]}
+    (where / "pyproject.toml").write_text(
+        "[tool.mutmut]\n" + _toml_table(mutmut) + "\n[tool.pytest.ini_options]\n"
+        + _toml_table(pytest_ini))
+    return where
+
+
+def _toml_table(values: dict[str, object]) -> str:
+    # json's strings and lists are valid TOML for these plain values
+    return "".join(f"{key} = {json.dumps(value, ensure_ascii=False)}\n"
+                   for key, value in values.items())
+
+
+def run_mutmut(where: Path, target: Target, max_children: int) -> int:
+    # made before Python starts: a PYTHONPATH entry that does not exist yet is cached as absent
+    (where / "mutants").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{where / 'mutants'}{os.pathsep}{HITS}",
+           "DYNSPEC_OFFLINE": "1"}
+    command = ["nice", "-n", "10", sys.executable, "-m", "mutmut", "run",
+               "--max-children", str(max_children), *target.patterns()]
+    if target.heavy:
+        command = ["flock", HEAVY_LOCK, *command]
+    log = where / "mutmut.log"
+    with log.open("w") as out:
+        return subprocess.run(command, cwd=where, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              check=False).returncode
+
+
+@dataclass
+class Outcome:
+    counts: Counter[str] = field(default_factory=Counter)
+    survivors: list[str] = field(default_factory=list)
+    equivalents: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def outcome(where: Path, target: Target) -> Outcome:
+    from mutmut.stats import status_by_exit_code
+
+    meta = json.loads((where / "mutants" / (target.path + ".meta")).read_text())
+    result = Outcome()
+    for mutant, exit_code in sorted(meta["exit_code_by_key"].items()):
+        if not any(fnmatch.fnmatchcase(mutant, pattern) for pattern in target.patterns()):
+            continue
+        status = status_by_exit_code[exit_code]
+        if status == "survived" and (why := _equivalent(where, target, mutant)):
+            status = "equivalent"
+            result.equivalents.append(f"{mutant}: {why}")
+        result.counts[status] += 1
+        if status not in ("killed", "equivalent", "not checked"):
+            result.survivors.append(f"{mutant} ({status})")
+    return result
+
+
+def _equivalent(where: Path, target: Target, mutant: str) -> str | None:
+    function = mutant.removeprefix(target.module + ".").partition("__mutmut_")[0]
+    reviewed = [(piece, why) for name, piece, why in target.equivalent if name == function]
+    if not reviewed:
+        return None
+    added = [line for line in show(where, mutant).splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    return next((why for piece, why in reviewed if any(piece in line for line in added)), None)
+
+
+def show(where: Path, mutant: str) -> str:
+    return subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=where,
+                          capture_output=True, text=True, check=False).stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", metavar="MODULE",
+                        help=f"one of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--max-children", type=int, default=2, help="parallel mutants (2)")
+    parser.add_argument("--survivors", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--sample", metavar="DIGITS",
+                        help="only mutants whose number ends in one of DIGITS (e.g. 0: a tenth)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the table of the last run, run nothing")
+    args = parser.parse_args(argv)
+    if unknown := [name for name in args.modules if name not in TARGETS]:
+        parser.error(f"unknown module {', '.join(unknown)}: one of {', '.join(TARGETS)}")
+    rows = []
+    for name in args.modules or TARGETS:
+        target = TARGETS[name]
+        if args.sample is not None:
+            target = dataclasses.replace(target, sample=args.sample)
+        where = ROOT / ".mutation" / name
+        if not args.report_only:
+            where = stage(name, target)
+            print(f"== {name}: mutmut over {', '.join(target.tests)} (log: {where}/mutmut.log)",
+                  flush=True)
+            if target.sample:
+                print(f"   sampled: the mutants numbered *[{target.sample}] only", flush=True)
+            if run_mutmut(where, target, args.max_children) != 0:
+                print(f"   mutmut failed: see {where}/mutmut.log", flush=True)
+        try:
+            result = outcome(where, target)
+        except FileNotFoundError:
+            print(f"   {name}: no results", flush=True)
+            continue
+        rows.append((name, result))
+        for equivalent in result.equivalents:
+            print(f"   equivalent: {equivalent}")
+        for survivor in result.survivors:
+            print(f"   survived: {survivor}")
+            if args.survivors:
+                print(show(where, survivor.split(" ")[0]))
+    print()
+    print("% killed: killed / (mutants run - reviewed equivalents); a timeout is not a kill; "
+          "other: mutmut's suspicious (the test process died) and the like")
+    print(f"{'module':<16} {'mutants':>7} {'not run':>7} {'killed':>6} {'survived':>8} "
+          f"{'timeout':>7} {'no tests':>8} {'other':>5} {'equiv.':>6} {'% killed':>8}")
+    for name, result in rows:
+        counts = result.counts
+        named = ("killed", "survived", "timeout", "no tests", "equivalent", "not checked")
+        other = result.total - sum(counts[k] for k in named)
+        judged = result.total - counts["equivalent"] - counts["not checked"]
+        share = 100 * counts["killed"] / judged if judged else 0.0
+        print(f"{name:<16} {result.total:>7} {counts['not checked']:>7} {counts['killed']:>6} "
+              f"{counts['survived']:>8} {counts['timeout']:>7} {counts['no tests']:>8} "
+              f"{other:>5} {counts['equivalent']:>6} {share:>7.1f}%")
+    print()
+    for name, _result in rows:
+        target = TARGETS[name]
+        scope = (f"functions: {', '.join(target.functions)}" if target.functions
+                 else "every function")
+        sample = f", mutants numbered *[{target.sample}]" if target.sample else ""
+        print(f"{name}: {target.path}; {scope}{sample}; tests: {', '.join(target.tests)}"
+              + (f" ({target.why})" if target.why else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
