@@ -126,3 +126,21 @@ def test_the_plan_cache_does_not_reuse_a_plan_across_the_adaptive_conflict(
     )
     assert conflict.refused
     assert plan_cache.plan_apply(snapshots["0.5.17"], live_worker="v2", threshold=8) == fine
+
+
+def test_on_0523_the_spec_fields_file_is_part_of_the_patch(scratch, capsys):
+    # S4: the checks in server_args.py read fields that only the Spec namespace declares, so a
+    # tree with one of the two patched is not "patched" (its server would not start).
+    package = scratch(find_pin("0.5.23"))
+    spec = package / "srt/arg_groups/fields/spec.py"
+    original_spec = spec.read_bytes()
+    root = ("--sglang-root", str(package))
+    assert cli_json(capsys, "apply", *root, "--threshold", "8")[0] == 0
+    assert cli_json(capsys, "status", *root)[1]["tree_state"] == "patched"
+    spec.write_bytes(original_spec)
+    code, status = cli_json(capsys, "status", *root)
+    assert code == 0 and status["tree_state"] == "mixed"
+    # Judged from the files alone too (a tree patched by an older tool left no manifest).
+    (package.parent / ".dynspec-patch" / "manifest.json").unlink()
+    code, status = cli_json(capsys, "status", *root)
+    assert code == 0 and status["tree_state"] == "mixed"

@@ -94,6 +94,7 @@ def check_wiring(variant: str) -> dict[str, Any]:
         setattr(bound_fallback, hook_name, original)
     args, kwargs = seen[0] if seen else ((), {})
     return {
+        "live_names": _live_module_names(release) if variant == "v2" else {},
         "entry": entry,
         "first_statements": first_statements(method, 2),
         "fallback_module_file": getattr(bound_fallback, "__file__", None),
@@ -109,6 +110,22 @@ def check_wiring(variant: str) -> dict[str, Any]:
         "cli_flag_value": getattr(parsed, "speculative_disable_batch_threshold", "MISSING"),
         "kernel_placements": release.kernel_placements,
     }
+
+
+# Need scopes answered from module globals and classes alone (no worker instance needed).
+MODULE_SCOPES = ("module", "verify_module", "fn_param", "fields", "member", "param")
+
+
+def _live_module_names(release: world.Release) -> dict[str, Any]:
+    """What the installed runtime resolves, from the real modules, for the module-level needs
+    (the pytest side compares it with the static probe of the same tree)."""
+    fallback = release.fallback_mod
+    needs = tuple(n for n in fallback.V2_NEEDS if n.scope in MODULE_SCOPES)
+    worker = object.__new__(release.worker_cls)
+    names, missing = fallback.resolve_needs(
+        needs, fallback._live_has(worker, vars(release.worker_mod))
+    )
+    return {"names": names, "missing": [n.key for n in missing]}
 
 
 def _snapshot_reqs(batch: Any) -> list[dict[str, Any]]:
