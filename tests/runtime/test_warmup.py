@@ -269,3 +269,14 @@ def test_failing_replays_are_reported_and_the_server_goes_on(forward_batch_info,
     assert "9 raised, the first: a DECODE replay raised RuntimeError: illegal instruction" in (
         line.getMessage()
     )
+
+
+def test_opt_in_levers_are_off_by_default(monkeypatch):
+    """Unset, neither the width-1 draft-extend nor the warm-up runs: both are opt-in."""
+    monkeypatch.delenv(dyn.DRAFT_EXTEND_WIDTH1_ENV)
+    monkeypatch.delenv(dyn.WARMUP_ENV)
+    adapter = types.SimpleNamespace(draft_extend_width1_note="")
+    dyn._prepare_draft_extend_width1(adapter, worker=None)  # returns before reading the worker
+    assert adapter.draft_extend_width1_note.startswith("off (opt in")
+    graphs = types.SimpleNamespace(decode_graphs=object(), draft_extend_width1=None)
+    dyn._warm_up_graphs(graphs, worker=None)  # returns before reading the worker

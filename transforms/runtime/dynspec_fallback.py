@@ -1134,7 +1134,7 @@ def target_decode_mode(model_runner: Any, graph_attr: str, graphs: DecodeGraphs 
 # v2: the draft-extend of a fallback step at one token per request (width-1 graphs)
 # --------------------------------------------------------------------------------------------
 
-# "0" keeps the N-token draft-extend on fallback steps (the previous behaviour, for A/B runs).
+# "1" turns the width-1 draft-extend on (opt-in; otherwise the N-token one, as before).
 DRAFT_EXTEND_WIDTH1_ENV = "DYNSPEC_DRAFT_EXTEND_WIDTH1"
 # What the draft worker (and, while capturing, the server args) say for one token per request:
 # the values of SGLang's own steps-0 state (0.5.14+ ``build_adaptive_runtime_state``).
@@ -1276,8 +1276,11 @@ _WIDTH1_NEEDS = (
 
 def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
     """Capture the width-1 draft-extend graphs once per process; failures keep the N-token one."""
-    if os.environ.get(DRAFT_EXTEND_WIDTH1_ENV, "1").strip() == "0":
-        adapter.draft_extend_width1_note = f"off ({DRAFT_EXTEND_WIDTH1_ENV}=0)"
+    if os.environ.get(DRAFT_EXTEND_WIDTH1_ENV, "0").strip() != "1":
+        # Opt-in: on an H200 with SGLang 0.5.17 the width-1 capture hit an illegal memory
+        # access, which no exception handler survives (the server died); it has not run on a
+        # GPU with any other release yet.
+        adapter.draft_extend_width1_note = f"off (opt in: {DRAFT_EXTEND_WIDTH1_ENV}=1)"
         return
     draft = worker.draft_worker
     started = time.perf_counter()
@@ -1548,8 +1551,8 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     """Replay each graph a fallback step uses once, at start-up (bounded; one log line)."""
     if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
         return
-    if os.environ.get(WARMUP_ENV, "1").strip() == "0":
-        return
+    if os.environ.get(WARMUP_ENV, "0").strip() != "1":
+        return  # opt-in: its replays have not yet run on a GPU (0.5.17's runner has no replay())
     started = time.perf_counter()
     budget = _warmup_budget()
     tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
