@@ -364,6 +364,11 @@ def plan_apply(
                 f"SGLang {version} switches --speculative-adaptive off for this server "
                 f"({why_not}): the threshold would do nothing; nothing was written"
             )
+        elif _any_patched(analyses):
+            refusal = (
+                "this tree carries the patch route: run dynspec-patch revert first (one "
+                "controller at a time); nothing was written"
+            )
         return Plan(
             "apply",
             version,

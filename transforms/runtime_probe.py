@@ -34,7 +34,8 @@ V2_DRAFT_WORKER_CLASS = "EagleDraftWorker"
 TARGET_WORKER = ("srt/managers/tp_worker.py", "TpModelWorker", "forward_batch_generation")
 MODEL_RUNNER = ("srt/model_executor/model_runner.py", "ModelRunner")
 SCHEDULE_BATCH = ("srt/managers/schedule_batch.py", "ScheduleBatch")
-# Methods whose presence marks the native steps=0 path (0.5.14+): nothing to patch there.
+# The method whose presence marks SGLang's own steps-0 path (0.5.14+): the release also
+# offers the native route (``ProbeReport.native``).
 NATIVE_MARKER = "_build_trivial_verify_input"
 # Needs whose resolved spelling names the era the adapter will run in.
 ERA_KEYS = (

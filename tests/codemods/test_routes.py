@@ -55,6 +55,10 @@ def test_status_and_revert_follow_the_route_the_tree_is_on(scratch, capsys):
     assert {f["path"]: f["action"] for f in patched["files"]}[V2] == "patched"
     code, status = cli_json(capsys, "status", *root)
     assert status["route"] == "patch" and status["tree_state"] == "patched"
+    # One route at a time: the native config is not written over the patch.
+    code, native = cli_json(capsys, "apply", *root, "--route", "native", "--threshold", "8")
+    assert code == 3 and "revert first" in native["error"]
+    assert not local.native_config_path(package).exists()
     code, back = cli_json(capsys, "revert", *root)
     assert code == 0 and back["route"] == "patch"
     assert tree_bytes(package) == original

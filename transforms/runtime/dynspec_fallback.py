@@ -1022,7 +1022,7 @@ def _graph_size_holders(args: Any, graph_bag: Any) -> list[tuple[Any, str]]:
         config = getattr(config, "cuda_graph_config", None)
         decode = getattr(config, "decode", None)
         known = any(decode is holder for holder, _ in holders)
-        if isinstance(getattr(decode, "bs", None), list) and not known:
+        if isinstance(getattr(decode, "bs", None), list) and not known and _settable(decode, "bs"):
             holders.append((decode, "bs"))
     return holders
 
@@ -1899,7 +1899,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# v2: EAGLEWorkerV2 (0.5.4 - 0.5.13.post1; 0.5.14+ has the native steps=0 path)
+# v2: EAGLEWorkerV2 (0.5.4 - 0.5.23)
 # --------------------------------------------------------------------------------------------
 
 
