@@ -319,7 +319,7 @@ class _RejectPolicy(paramiko.MissingHostKeyPolicy):
                          key: paramiko.PKey) -> None:
         raise HostKeyError(
             f"host key of {hostname} is not in known_hosts ({key.get_name()} "
-            f"{key.fingerprint if hasattr(key, 'fingerprint') else ''}); verify it and add it, "
+            f"{key.fingerprint}); verify it and add it, "
             "or pass --accept-new-host-key"
         )
 

@@ -181,6 +181,9 @@ TARGETS: dict[str, Target] = {
                                                     "missing_host_key"),
                    *_methods("_RejectPolicy", "missing_host_key"),
                    *_methods("Connection", "__init__")),
+        equivalent=(("xǁ_AcceptNewPolicyǁmissing_host_key", "add(hostname, None, key)",
+                     "paramiko's HostKeys.add reads the key type only to replace an entry of "
+                     "that type, and a missing host has none"),),
         why="the known_hosts policies and the connection's default, on paramiko's objects"),
     "ssh_connect": Target(
         "dynspec_patch/patcher/ssh.py",

@@ -24,7 +24,7 @@ def test_known_hosts_names_a_non_default_port_in_brackets():
 
 
 def test_accept_new_records_the_key_in_a_private_directory(tmp_path: Path, key):
-    path = tmp_path / "new" / "known_hosts"
+    path = tmp_path / "new" / "ssh" / "known_hosts"
     client = paramiko.SSHClient()
     ssh._AcceptNewPolicy(str(path)).missing_host_key(client, "[127.0.0.1]:2200", key)
     assert path.read_text() == f"[127.0.0.1]:2200 {key.get_name()} {key.get_base64()}\n"
@@ -57,5 +57,7 @@ def test_reject_names_the_host_its_key_and_the_way_to_accept(key):
 
 def test_a_connection_rejects_unknown_host_keys_unless_told_otherwise():
     target = ssh.SshTarget(alias="h", hostname="127.0.0.1", port=22, user="u")
-    assert not ssh.Connection(target).accept_new_host_key
+    connection = ssh.Connection(target)
+    assert connection.target is target and connection.stats == ssh.Stats()
+    assert not connection.accept_new_host_key
     assert ssh.Connection(target, accept_new_host_key=True).accept_new_host_key
