@@ -194,9 +194,13 @@ def test_graphs_are_captured_with_the_releases_own_runner_classes(v2_case, drive
 
 def test_warmup_replays_padding_rows_through_the_real_replay(v2_case, drive):
     release, _ = v2_case
-    if release.version not in GRAPHS_REPLAYED:
-        pytest.skip("no DECODE graphs on this release's CPU world (dp attention not set up)")
     graphs = _graphs(drive, v2_case, "steps_graphs")["graphs"]
+    if release.version not in GRAPHS_REPLAYED:
+        # 0.5.5.post2: neither graph kind exists on its CPU world (the real CudaGraphRunner
+        # needs dp attention set up; its draft-extend is eager), so there is nothing to warm.
+        assert graphs["decode"] is None and graphs["width1"] is None
+        assert not any("warm-up replays" in entry for entry in graphs["log"])
+        return
     (line,) = [entry for entry in graphs["log"] if "warm-up replays at start-up" in entry]
     assert "7/7 ok (clamp_position 1, DECODE 3, width-1 draft-extend 3)" in line
     assert "raised" not in line and "stopped" not in line
