@@ -438,15 +438,19 @@ def test_the_native_route_builds_its_config_or_refuses_a_server_it_cannot_serve(
     with pytest.raises(UsageError) as no_threshold:
         engine.plan_apply(tree, route="native")
     assert str(no_threshold.value) == "the native route needs --threshold N to build its config"
-    plan = engine.plan_apply(tree, route="native", threshold=8, native_config_path="/s/adaptive.json")
+    plan = engine.plan_apply(
+        tree, route="native", threshold=8, native_config_path="/s/adaptive.json"
+    )
     expected = engine.native_config(8, engine.DEFAULT_NUM_STEPS, "/s/adaptive.json", None)
     assert (plan.route, plan.files, plan.native, plan.refusal) == ("native", (), expected, None)
     assert plan.server_flags == expected.flags
-    assert engine.plan_apply(tree, route="native", threshold=8, num_steps=5).native == engine.native_config(
-        8, 5, engine.CONFIG_FILE_NAME, None)
+    native = engine.plan_apply(tree, route="native", threshold=8, num_steps=5).native
+    assert native == engine.native_config(8, 5, engine.CONFIG_FILE_NAME, None)
     assert engine.plan_apply(tree, route="native", threshold=8, cuda_graph_bs=[1, 2]).native == (
         engine.native_config(8, engine.DEFAULT_NUM_STEPS, engine.CONFIG_FILE_NAME, [1, 2]))
-    refused = engine.plan_apply(tree, route="native", threshold=8, server_args={"speculative_eagle_topk": 4})
+    refused = engine.plan_apply(
+        tree, route="native", threshold=8, server_args={"speculative_eagle_topk": 4}
+    )
     assert refused.refusal == (
         "SGLang 0.5.14 switches --speculative-adaptive off for this server "
         "(speculative_eagle_topk=4 (adaptive supports topk 1 only)): the threshold would do "
