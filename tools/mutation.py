@@ -93,6 +93,9 @@ TARGETS: dict[str, Target] = {
             "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
             "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
         ),
+        equivalent=(("x__is_pure_decode", '"is_extend_in_batch", None)',
+                     "None and False are both false: a batch without the field is pure decode "
+                     "either way"),),
         why="the controller and the step decisions: whether a step runs speculative or the "
             "fallback (the fallback steps themselves, _v1_step/_v2_step, ~400 mutants at ~10 s "
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
