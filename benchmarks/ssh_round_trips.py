@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "remote"))
 
 import remote_harness as harness  # noqa: E402

@@ -26,6 +26,9 @@ from rich.text import Text
 
 from dynspec_patch.patcher import checks, local
 from dynspec_patch.patcher.engine import (
+    DEFAULT_ROUTE,
+    ROUTES,
+    FileChange,
     Plan,
     plan_apply,
     plan_revert,
@@ -34,7 +37,14 @@ from dynspec_patch.patcher.engine import (
     validate_options,
 )
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
+from dynspec_patch.patcher.manifest import sha256_or_none
 from dynspec_patch.patcher.releases import copy_release, find_pin, load_pins
+from dynspec_patch.transforms import (
+    AddDisableThresholdArgCommand,
+    HookEagleWorkerCommand,
+    HookEagleWorkerV2Command,
+    InstallRuntimeModuleCommand,
+)
 from dynspec_patch.transforms.markers import TOOL_VERSION
 from dynspec_patch.transforms.runtime_probe import probe_directory
 
@@ -124,7 +134,22 @@ RouterWorkerUrl = Annotated[
                  "(default: http://HOST:PORT)."),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+RouteOption = Annotated[
+    str | None,
+    typer.Option(
+        "--route",
+        help=f"{' | '.join(ROUTES)}: SGLang 0.5.14+ offer both (default {DEFAULT_ROUTE}); "
+        "native writes an --speculative-adaptive config instead of patching.",
+    ),
+]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Show the diff; write nothing.")]
+FullDiff = Annotated[
+    bool,
+    typer.Option(
+        "--full-diff",
+        help="(--dry-run) Show the runtime module's whole diff too, not its one-line summary.",
+    ),
+]
 
 
 def _show_version(value: bool) -> None:
@@ -182,6 +207,8 @@ def _check_scope(ctx: typer.Context, host: str | None, sglang_root: Path | None)
             flag = "--" + name.replace("_", "-")
             where = "--host" if host is None else "--sglang-root (a host's is read from its server)"
             raise UsageError(f"{flag} applies only with {where}")
+    if ctx.params.get("full_diff") and not ctx.params.get("dry_run"):
+        raise UsageError("--full-diff applies only with --dry-run")
     identity = ctx.params.get("identity_file")
     if identity is not None and not (Path(identity).is_file() and os.access(identity, os.R_OK)):
         raise UsageError(f"--identity-file {identity}: not a readable file")
@@ -208,18 +235,67 @@ def _progress(as_json: bool) -> Any:
     return lambda message: err.print(Text(f"... {message}", style="dim"), soft_wrap=True)
 
 
+def _change_diff(change: FileChange) -> Text:
+    """One file's unified diff, coloured."""
+    text = Text()
+    before = (change.before or b"").decode("utf-8", "replace").splitlines(keepends=True)
+    after = (change.after or b"").decode("utf-8", "replace").splitlines(keepends=True)
+    old = f"a/{change.path}" if change.before is not None else "/dev/null"
+    new = f"b/{change.path}" if change.after is not None else "/dev/null"
+    for line in difflib.unified_diff(before, after, old, new):
+        style = {"+": "green", "-": "red", "@": "cyan"}.get(line[:1], "")
+        if line.startswith(("+++", "---")):
+            style = "bold"
+        text.append(line if line.endswith("\n") else line + "\n", style=style)
+    return text
+
+
 def _diff(plan: Plan) -> Text:
+    """Every change's full diff, in plan order (``--json``'s ``diff``)."""
     text = Text()
     for change in plan.changes:
-        before = (change.before or b"").decode("utf-8", "replace").splitlines(keepends=True)
-        after = (change.after or b"").decode("utf-8", "replace").splitlines(keepends=True)
-        old = f"a/{change.path}" if change.before is not None else "/dev/null"
-        new = f"b/{change.path}" if change.after is not None else "/dev/null"
-        for line in difflib.unified_diff(before, after, old, new):
-            style = {"+": "green", "-": "red", "@": "cyan"}.get(line[:1], "")
-            if line.startswith(("+++", "---")):
-                style = "bold"
-            text.append(line if line.endswith("\n") else line + "\n", style=style)
+        text.append_text(_change_diff(change))
+    return text
+
+
+# A dry run is read by a person: the hooks first, then server_args.py, and the runtime module
+# (some 1,300 new lines nobody reviews in a terminal) as one line unless --full-diff.
+READING_ORDER = (HookEagleWorkerCommand.PATH, HookEagleWorkerV2Command.PATH,
+                 AddDisableThresholdArgCommand.PATH)
+RUNTIME_PATH = InstallRuntimeModuleCommand.PATH
+
+
+def _line_count(data: bytes) -> str:
+    return f"{len(data.splitlines()):,} lines"
+
+
+def _runtime_line(change: FileChange) -> Text:
+    """The runtime module's change in one line: path, lines, sha256."""
+    if change.after is None:
+        assert change.before is not None
+        what = f"removed ({_line_count(change.before)}, sha256 {sha256_or_none(change.before)})"
+    else:
+        was = "new file" if change.before is None else (
+            f"replaced ({_line_count(change.before)} before)")
+        what = f"{was}, {_line_count(change.after)}, sha256 {sha256_or_none(change.after)}"
+    return Text(f"{change.path}: {what} — the runtime module; --full-diff shows it\n",
+                style="bold")
+
+
+def _readable_diff(plan: Plan, full: bool) -> Text:
+    """A dry run's diff for a person (see ``READING_ORDER``)."""
+    def rank(change: FileChange) -> int:
+        if change.path == RUNTIME_PATH:
+            return len(READING_ORDER) + 1
+        return READING_ORDER.index(change.path) if change.path in READING_ORDER else len(
+            READING_ORDER)
+
+    text = Text()
+    for change in sorted(plan.changes, key=rank):
+        if change.path == RUNTIME_PATH and not full:
+            text.append_text(_runtime_line(change))
+        else:
+            text.append_text(_change_diff(change))
     return text
 
 
@@ -275,9 +351,11 @@ def _readable(key: str, value: object) -> str:
     return str(value)
 
 
+# Printed after the table, each on its own unwrapped line: a sentence to read whole, and a
+# command that can be pasted.
+OWN_LINES = ("resumed_rotation", "recommended")
 # Remote reports carry these for --json; a person does not need them in the table.
-# "recommended" is printed on its own unwrapped line, so that it can be pasted.
-HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", "recommended")
+HIDDEN_IN_TABLE = ("ssh", "servers", "live_worker_evidence", *OWN_LINES)
 
 
 def _details_table(details: Mapping[str, Any]) -> Table:
@@ -293,14 +371,17 @@ def _details_table(details: Mapping[str, Any]) -> Table:
 
 def _print_details(details: Mapping[str, Any]) -> None:
     out.print(_details_table(details))
-    if details.get("recommended"):
-        out.print(Text(f"recommended: {details['recommended']}", style="bold"), soft_wrap=True)
+    for key in OWN_LINES:
+        if details.get(key):
+            label = key.replace("_", " ")
+            out.print(Text(f"{label}: {details[key]}", style="bold"), soft_wrap=True)
 
 
 def _summary(plan: Plan) -> None:
+    offered = f" (this release offers: {', '.join(plan.routes)})" if len(plan.routes) > 1 else ""
     out.print(
         Text(
-            f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}",
+            f"sglang {plan.sglang_version or '(version unknown)'}  route: {plan.route}{offered}",
             style="bold",
         )
     )
@@ -317,7 +398,12 @@ def _summary(plan: Plan) -> None:
 
 
 def _finish(
-    plan: Plan, as_json: bool, dry_run: bool = False, extra: dict[str, Any] | None = None
+    plan: Plan,
+    as_json: bool,
+    dry_run: bool = False,
+    extra: dict[str, Any] | None = None,
+    *,
+    full_diff: bool = False,
 ) -> None:
     if as_json:
         data = plan.to_json() | (extra or {})
@@ -328,7 +414,7 @@ def _finish(
         _print_json(data)
     else:
         if dry_run and plan.changes:
-            out.print(_diff(plan), soft_wrap=True)
+            out.print(_readable_diff(plan, full_diff), soft_wrap=True)
         _summary(plan)
         if extra:
             _print_details(extra)
@@ -383,7 +469,7 @@ def detect_path(
         _render_remote(_remote().detect_path(options, pid=pid, port=port), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
+    plan = _local_status(package)
     extra = {
         "sglang_dir": str(package),
         "live_worker": "unknown (no running server is read locally; use --host)",
@@ -392,6 +478,14 @@ def detect_path(
         "recommended": _recommendation(plan, package),
     }
     _finish(plan, as_json, extra=extra)
+
+
+def _local_status(package: Path) -> Plan:
+    """``plan_status`` of a local tree; the native route counts as applied where its config is."""
+    native = local.native_config_path(package).exists()
+    return plan_status(
+        local.read_snapshot(package), local.recorded_files(package), native_applied=native
+    )
 
 
 def _runtime_fit(package: Path, plan: Plan) -> str:
@@ -409,7 +503,7 @@ def _recommendation(plan: Plan, package: Path) -> str:
     if plan.route == "unsupported":
         return "none: this release cannot be patched"
     if plan.route == "native":
-        return f"dynspec-patch apply {root} --threshold 8  (8: the batch size to stop above)"
+        return f"dynspec-patch apply {root} --route native --threshold 8  (8: stop above bs 8)"
     if any(f.state_before == "unknown" for f in plan.files):
         return "none: inspect the unknown files; dynspec-patch refuses to touch them"
     if all(f.state_before == "patched" for f in plan.files):
@@ -418,7 +512,13 @@ def _recommendation(plan: Plan, package: Path) -> str:
 
 
 def _locked_write(
-    package: Path, make_plan: Any, as_json: bool, dry_run: bool, extra: dict[str, Any]
+    package: Path,
+    make_plan: Any,
+    as_json: bool,
+    dry_run: bool,
+    extra: dict[str, Any],
+    *,
+    full_diff: bool = False,
 ) -> None:
     """Plan and write under the tree's lock (a dry run reads without it), then report."""
     report = {"sglang_dir": str(package), "dry_run": dry_run}
@@ -429,7 +529,7 @@ def _locked_write(
         # nothing to write (or refused): no lock, so not even the state directory is created
         if interrupted:
             report["interrupted_commit"] = "yes: the next apply or revert finishes or undoes it"
-        _finish(plan, as_json, dry_run, report | extra)
+        _finish(plan, as_json, dry_run, report | extra, full_diff=full_diff)
         return
     with local.locked(package) as tree:
         plan = make_plan()
@@ -467,6 +567,7 @@ def apply(
         typer.Option(help="--speculative-num-steps of the server (native route, local only)."),
     ] = None,
     dry_run: DryRun = False,
+    full_diff: FullDiff = False,
     no_restart: NoRestart = False,
     restart_cmd: RestartCmd = None,
     pid: ServerPid = None,
@@ -478,11 +579,12 @@ def apply(
     ] = None,
     router: RouterUrl = None,
     router_worker_url: RouterWorkerUrl = None,
+    route: RouteOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
     _check_scope(ctx, host, sglang_root)
-    validate_options(threshold=threshold, num_steps=num_steps, worker=worker)
+    validate_options(threshold=threshold, num_steps=num_steps, worker=worker, route=route)
     if host is not None:
         result = _remote().apply(
             _host_options(
@@ -499,8 +601,9 @@ def apply(
             commit_image=commit_image,
             rotation=_rotation(host, router, router_worker_url),
             on_progress=_progress(as_json),
+            route=route,
         )
-        _render_remote(result, as_json, dry_run, host=host)
+        _render_remote(result, as_json, dry_run, host=host, full_diff=full_diff)
         return
     package = _package(sglang_root)
     config_path = str(local.native_config_path(package))
@@ -513,14 +616,15 @@ def apply(
             num_steps=num_steps,
             native_config_path=config_path,
             recorded=local.recorded_files(package),
+            route=route,
         )
 
     extra: dict[str, Any] = {}
     preview = plan_status(local.read_snapshot(package))
-    if preview.route == "patch":
+    if preview.route == "patch" and route != "native":
         # The patch is harmless where the runtime lacks a name (it stays off), but useless.
         extra["runtime"] = _runtime_fit(package, preview)
-    _locked_write(package, make_plan, as_json, dry_run, extra)
+    _locked_write(package, make_plan, as_json, dry_run, extra, full_diff=full_diff)
 
 
 @app.command(
@@ -540,6 +644,7 @@ def revert(
     accept_new_host_key: AcceptNewHostKey = False,
     connect_timeout: ConnectTimeout = 15.0,
     dry_run: DryRun = False,
+    full_diff: FullDiff = False,
     force: Annotated[
         bool, typer.Option("--force", help="Revert even if a file changed since apply.")
     ] = False,
@@ -577,10 +682,10 @@ def revert(
             rotation=_rotation(host, router, router_worker_url),
             on_progress=_progress(as_json),
         )
-        _render_remote(result, as_json, dry_run, host=host)
+        _render_remote(result, as_json, dry_run, host=host, full_diff=full_diff)
         return
     package = _package(sglang_root)
-    if plan_status(local.read_snapshot(package)).route == "native":
+    if _local_status(package).route == "native":
         _revert_native(package, as_json, dry_run)
         return
 
@@ -592,7 +697,7 @@ def revert(
             originals=local.read_originals(package) if restore_originals else None,
         )
 
-    _locked_write(package, make_plan, as_json, dry_run, {})
+    _locked_write(package, make_plan, as_json, dry_run, {}, full_diff=full_diff)
 
 
 def _revert_native(package: Path, as_json: bool, dry_run: bool) -> None:
@@ -636,8 +741,8 @@ def status(
         _render_remote(_remote().status(options), as_json, host=host)
         return
     package = _package(sglang_root)
-    plan = plan_status(local.read_snapshot(package))
     manifest = local.read_manifest(package)
+    plan = _local_status(package)
     extra = {
         "sglang_dir": str(package),
         **_local_state(package, plan),
@@ -801,7 +906,12 @@ def _pasteable(text: object, host: str) -> object:
 
 
 def _render_remote(
-    result: dict[str, Any], as_json: bool, dry_run: bool = False, *, host: str
+    result: dict[str, Any],
+    as_json: bool,
+    dry_run: bool = False,
+    *,
+    host: str,
+    full_diff: bool = False,
 ) -> None:
     if "recommended" in result:
         result["recommended"] = _pasteable(result["recommended"], host)
@@ -812,7 +922,7 @@ def _render_remote(
         else:
             _print_details(result)
         return
-    _finish(plan, as_json, dry_run, result)
+    _finish(plan, as_json, dry_run, result, full_diff=full_diff)
 
 
 def _command_error(exc: BaseException) -> tuple[str, int] | None:

@@ -39,7 +39,7 @@ from dynspec_patch.patcher.engine import (
 )
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, RollbackError, UsageError
 from dynspec_patch.patcher.facts import HostFacts, ServerProcess, gather, has_flag, redact_argv
-from dynspec_patch.patcher.manifest import Manifest, sha256_or_none
+from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
 from dynspec_patch.patcher.ssh import (
     AgentSession,
     Connection,
@@ -50,13 +50,16 @@ from dynspec_patch.patcher.ssh import (
 from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 PENDING_NAME = "restart-pending.json"
+# a server taken out of an sglang-router and not yet put back (patcher.router writes it first)
+ROTATION_NAME = "router-rotation.json"
 ORIGINALS_DIR = "originals"  # <state>/originals/<path>: the files as they were before apply
 FIELD = "speculative_disable_batch_threshold"
 ADAPTIVE_BARE = "--speculative-adaptive"
 ADAPTIVE_CONFIG = "--speculative-adaptive-config"
 
 
-BeforeRestart = Callable[["Session", ServerProcess], None]
+# called just before the server is stopped, with the facts the command read
+BeforeRestart = Callable[["Session", ServerProcess, HostFacts], None]
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,27 @@ def proof_holds(info: Mapping[str, Any] | None, expect: Mapping[str, Any]) -> bo
     return True
 
 
+def _recorded(facts: HostFacts) -> dict[str, FileRecord]:
+    """What the host's manifest recorded of each file (empty without one)."""
+    return facts.manifest.by_path() if facts.manifest else {}
+
+
 def host_state(facts: HostFacts, plan: Plan) -> str:
     """original | patched | mixed | unknown — the same judgement as a local ``status``."""
     return tree_state(plan, facts.manifest, facts.snapshot).state
+
+
+def rotation_journal(facts: HostFacts) -> dict[str, Any] | None:
+    """The router rotation an earlier run started on this host and did not finish (its
+    worker is out of the router), as ``patcher.router`` recorded it; None if there is none."""
+    raw = facts.state_files.get(ROTATION_NAME)
+    if raw is None:
+        return None
+    try:
+        journal = json.loads(raw.decode())
+    except ValueError:
+        return None
+    return journal if isinstance(journal, dict) and journal.get("worker") else None
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -164,7 +185,42 @@ def _pending_mark(reason: str, argv: Sequence[str] | None) -> dict[str, Any]:
 # --------------------------------------------------------------------------- facts → result
 
 
-def choose_server(facts: HostFacts, *, required: bool) -> ServerProcess | None:
+def why_no_server(facts: HostFacts) -> str | None:
+    """Where the host's server went, when none runs: another run is restarting it, a restart
+    was cut short, or its container is stopped (None: no trace of one)."""
+    if facts.servers:
+        return None
+    for mark in facts.restarts:
+        if mark.get("in_progress"):
+            return (f"no SGLang server runs on the host right now: another dynspec-patch run "
+                    f"(agent pid {mark.get('agent_pid')}, user {mark.get('user')}, since "
+                    f"{mark.get('since')}) is restarting the one on port {mark.get('port')}; "
+                    "wait until it is done (status shows when), then run this again")
+    for c in facts.stopped_containers:
+        name = c.get("name") or str(c.get("id", ""))[:12]
+        if c.get("busy"):
+            return (f"no SGLang server runs on the host right now: its container {name} is "
+                    f"{c.get('status')} while another dynspec-patch run works on it "
+                    f"({c.get('busy')}); wait until it is done, then run this again")
+    for c in facts.stopped_containers:
+        name = c.get("name") or str(c.get("id", ""))[:12]
+        return (f"no SGLang server runs on the host: its container {name} (image "
+                f"{c.get('image')}) is {c.get('status')} (exit code {c.get('exit_code')}, "
+                f"since {c.get('finished_at')}); start it (docker start {name}) and run this "
+                "again: a stopped container's files are patched through the container")
+    for mark in facts.restarts:
+        return (f"no SGLang server runs on the host: a dynspec-patch restart stopped the one "
+                f"on port {mark.get('port')} at {mark.get('since')} and did not finish (its "
+                f"agent was killed); status shows what its files hold, the server's output "
+                f"is in {mark.get('log')}: start it again, then run this again")
+    return None
+
+
+def choose_server(facts: HostFacts, *, required: bool,
+                  writing: bool = True) -> ServerProcess | None:
+    """The server to act on; ``None`` only when none runs and none is ``required``.
+    When ``writing`` and none runs, a known reason (``why_no_server``) is a refusal: the
+    python3 on PATH is not the server's."""
     if facts.selected is not None:
         return facts.selected
     if len(facts.servers) > 1:
@@ -174,6 +230,9 @@ def choose_server(facts: HostFacts, *, required: bool) -> ServerProcess | None:
     if facts.servers:  # one server, but --pid/--port matched nothing
         raise UsageError(f"no SGLang server matches --pid/--port (running: pid "
                          f"{facts.servers[0].pid}, port {facts.servers[0].port})")
+    why = why_no_server(facts)
+    if writing and why is not None:
+        raise RefusedError(f"{why}; nothing was written")
     if required:
         raise RefusedError("no running SGLang server found on the host (python -m "
                            "sglang.launch_server / sglang serve); use --no-restart to patch the "
@@ -211,6 +270,8 @@ def describe(facts: HostFacts, conn: Connection) -> dict[str, Any]:
         "running_threshold": eff.get(FIELD, "absent (unpatched server_args)")
         if facts.effective else None,
         "restart_pending": facts.pending,
+        "router_rotation": rotation_journal(facts),
+        "no_server_because": why_no_server(facts),
         "container": facts.selected.container if facts.selected else None,
         "recovered_interrupted_commit": facts.recovered,
         "interrupted_commit": facts.interrupted,
@@ -223,10 +284,13 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
         return "none: this release cannot be patched (" + plan.reason + ")"
     if facts.busy:
         return f"another dynspec-patch run is in progress ({facts.busy}); wait for it"
+    if (why := why_no_server(facts)) is not None:
+        return why.split(": ", 1)[1]
     if facts.interrupted:
         return "a commit was interrupted: run apply or revert to finish it (both recover first)"
     if plan.route == "native":
-        return "dynspec-patch apply --host H --threshold N (native --speculative-adaptive config)"
+        return ("dynspec-patch apply --host H --route native --threshold N "
+                "(native --speculative-adaptive config)")
     if state in ("unknown", "mixed"):
         return "inspect the files marked unknown; dynspec-patch refuses to guess"
     if state == "patched" and facts.pending:
@@ -239,27 +303,41 @@ def recommendation(facts: HostFacts, plan: Plan, state: str) -> str:
     return "dynspec-patch apply --host H --threshold N --worker both (no live EAGLE worker seen)"
 
 
+def _without_package(facts: HostFacts) -> str:
+    """What to do when no sglang package was found (no server, none on PATH's python3)."""
+    why = why_no_server(facts)
+    return why.split(": ", 1)[1] if why else "sglang not found on the host"
+
+
 # --------------------------------------------------------------------------- commands
 
 
+def _status_plan(facts: HostFacts) -> Plan:
+    """``plan_status`` of the host's tree; native counts as applied where our config is."""
+    native = facts.state_files.get(CONFIG_FILE_NAME) is not None
+    return plan_status(facts.snapshot, _recorded(facts), native_applied=native)
+
+
 def detect_path(s: Session, *, pid: int | None, port: int | None) -> dict[str, Any]:
-    facts = gather(s.agent, pid=pid, port=port, lock=False, docker=s.docker.to_args())
-    choose_server(facts, required=False)
+    facts = gather(s.agent, pid=pid, port=port, lock=False,
+                   state_files=[CONFIG_FILE_NAME, ROTATION_NAME], docker=s.docker.to_args())
+    choose_server(facts, required=False, writing=False)
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "errors": list(facts.errors),
-                "recommended": "sglang not found on the host"}
-    plan = plan_status(facts.snapshot)
+                "recommended": _without_package(facts)}
+    plan = _status_plan(facts)
     state = host_state(facts, plan)
     return {**describe(facts, s.conn), "host_state": state,
             "recommended": recommendation(facts, plan, state), "plan": plan}
 
 
 def status(s: Session) -> dict[str, Any]:
-    facts = gather(s.agent, pid=None, port=None, lock=False, docker=s.docker.to_args())
+    facts = gather(s.agent, pid=None, port=None, lock=False,
+                   state_files=[CONFIG_FILE_NAME, ROTATION_NAME], docker=s.docker.to_args())
     if facts.package_dir is None:
         return {**describe(facts, s.conn), "host_state": "no sglang package found",
-                "errors": list(facts.errors)}
-    plan = plan_status(facts.snapshot)
+                "errors": list(facts.errors), "recommended": _without_package(facts)}
+    plan = _status_plan(facts)
     judged = tree_state(plan, facts.manifest, facts.snapshot)
     state = judged.state
     info = facts.selected.info if facts.selected else None
@@ -356,7 +434,7 @@ def _restart(s: Session, facts: HostFacts, server: ServerProcess, argv: Sequence
     verified = None
     try:
         path = (answer.get("proof") or {}).get("endpoint") or "/server_info"
-        resp = s.conn.http_get(server.port, path)
+        resp = s.conn.http_get(server.port, path, host=server.address)
         verified = resp.status == 200 and proof_holds(resp.json(), expect)
     except (RemoteError, ConnectionLost, ValueError):
         verified = None
@@ -428,7 +506,7 @@ def _restart_if_needed(s: Session, facts: HostFacts, server: ServerProcess | Non
         return "pending (--no-restart): " + "; ".join(reasons)
     assert argv is not None
     if before_restart is not None:
-        before_restart(s, server)
+        before_restart(s, server, facts)
     done = _restart(s, facts, server, argv, restart_cmd=restart_cmd,
                     health_timeout=health_timeout, expect=expect, base_dir=base_dir,
                     stop_timeout=stop_timeout)
@@ -441,7 +519,7 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
                ) -> tuple[HostFacts, ServerProcess | None, str, str]:
     """Facts (locked unless a dry run), the server to act on, the package and config path;
     with ``originals`` the copies saved at apply come along (as ``originals/<path>``)."""
-    state_files = [CONFIG_FILE_NAME]
+    state_files = [CONFIG_FILE_NAME, ROTATION_NAME]
     if originals:
         state_files += [posixpath.join(ORIGINALS_DIR, path) for path in SNAPSHOT_PATHS]
     facts = gather(s.agent, pid=pid, port=port, lock=not dry_run, state_files=state_files,
@@ -457,7 +535,8 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
           restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0,
           commit_image: str | None = None,
-          before_restart: BeforeRestart | None = None) -> dict[str, Any]:
+          before_restart: BeforeRestart | None = None,
+          route: str | None = None) -> dict[str, Any]:
     if commit_image is not None:
         container.check_tag(commit_image)
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart)
@@ -471,8 +550,8 @@ def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_r
         num_steps=eff.get("speculative_num_steps"),
         cuda_graph_bs=bs if isinstance(bs, list) else None,
         native_config_path=config_path,
-        recorded=facts.manifest.by_path() if facts.manifest else {},
-        server_args=eff, server_argv=server.argv if server else (),
+        recorded=_recorded(facts),
+        server_args=eff, server_argv=server.argv if server else (), route=route,
     )
     result: dict[str, Any] = {**describe(facts, s.conn), "dry_run": dry_run}
     native_change: FileChange | None = None
@@ -543,7 +622,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
            restore_originals: bool = False) -> dict[str, Any]:
     facts, server, package, config_path = _read_host(s, pid, port, dry_run, no_restart,
                                                      originals=restore_originals)
-    route = plan_status(facts.snapshot).route
+    route = _status_plan(facts).route
     if route == "native":
         old = facts.state_files.get(CONFIG_FILE_NAME)
         files: tuple[FileChange, ...] = ()
@@ -565,7 +644,7 @@ def revert(s: Session, *, dry_run: bool, force: bool, no_restart: bool,
                  if (data := facts.state_files.get(posixpath.join(ORIGINALS_DIR, path)))
                  is not None}
         plan = plan_revert(facts.snapshot,
-                           recorded=facts.manifest.by_path() if facts.manifest else {},
+                           recorded=_recorded(facts),
                            force=force, originals=saved if restore_originals else None)
         argv = edit_argv(server.argv, remove_valued=(THRESHOLD_FLAG,)) if server else None
         expect = {FIELD: "<absent>"}

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from dynspec_patch.patcher.errors import UsageError
 from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
 from dynspec_patch.transforms import (
+    CODEMODS,
     AddDisableThresholdArgCommand,
+    AddDisableThresholdSpecFieldsCommand,
     HookEagleWorkerCommand,
     HookEagleWorkerV2Command,
     InstallRuntimeModuleCommand,
@@ -35,10 +37,16 @@ SNAPSHOT_PATHS: tuple[str, ...] = (
     *KERNEL_PATHS,
     InstallRuntimeModuleCommand.PATH,
     AddDisableThresholdArgCommand.PATH,
+    AddDisableThresholdSpecFieldsCommand.PATH,
     HookEagleWorkerCommand.PATH,
     HookEagleWorkerV2Command.PATH,
 )
 WORKER_CHOICES = ("auto", "v1", "v2", "both")
+ROUTES = ("patch", "native")
+# The route of releases that offer both (SGLang 0.5.14+, which have SGLang's own steps-0
+# adaptive speculation) when --route is not given. The one place to change it.
+DEFAULT_ROUTE = "patch"
+ADAPTIVE_FLAG = "--speculative-adaptive"
 DEFAULT_NUM_STEPS = 3
 MAX_THRESHOLD = 65536  # far above any decode batch SGLang runs; larger is a typo
 MAX_NUM_STEPS = 64
@@ -104,6 +112,7 @@ class Plan:
     server_flags: tuple[str, ...] = field(default=())
     patchable_workers: tuple[str, ...] = ()  # present, and accepted by their codemod
     refusal: str | None = None  # refused as a whole (e.g. a server the native route can't serve)
+    routes: tuple[str, ...] = ()  # the routes this release offers (--route)
 
     @property
     def refused(self) -> bool:
@@ -131,6 +140,7 @@ class Plan:
             "operation": self.operation,
             "sglang_version": self.sglang_version,
             "route": self.route,
+            "routes": list(self.routes),
             "reason": self.reason,
             "refused": self.refused,
             "files": [f.to_json() for f in self.files],
@@ -158,14 +168,36 @@ def _text(snapshot: Snapshot, path: str) -> str | None:
         return "\0"  # never valid Python: the codemod reports it as a syntax error
 
 
-def _route(snapshot: Snapshot, v2_facts: Mapping[str, object]) -> tuple[str, str]:
-    """Which route this tree takes, decided from its structure."""
+def routes_offered(v2_facts: Mapping[str, object]) -> tuple[str, ...]:
+    """Both routes where SGLang has its own steps-0 path (0.5.14+), else the patch only."""
+    return ROUTES if v2_facts.get("native_steps_zero") else ("patch",)
+
+
+def validate_route(route: str | None) -> None:
+    if route is not None and route not in ROUTES:
+        raise UsageError(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
+
+
+def _route(
+    snapshot: Snapshot, v2_facts: Mapping[str, object], requested: str | None = None
+) -> tuple[str, str]:
+    """Which route this tree takes, decided from its structure and ``--route``."""
     if snapshot.get(AddDisableThresholdArgCommand.PATH) is None:
         return "unsupported", "no srt/server_args.py: not an SGLang package directory"
     if v2_facts.get("native_steps_zero"):
-        return "native", (
-            "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
-            "--speculative-adaptive, no source change"
+        if (requested or DEFAULT_ROUTE) == "native":
+            return "native", (
+                "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
+                "--speculative-adaptive, no source change"
+            )
+        return "patch", (
+            "EAGLEWorkerV2 of SGLang 0.5.14+ patched: the fallback's target forward runs on "
+            "DECODE graphs (--route native uses SGLang's own --speculative-adaptive instead)"
+        )
+    if requested == "native":
+        return "unsupported", (
+            "--route native needs SGLang 0.5.14+ (its steps-0 --speculative-adaptive); "
+            "this release takes the patch route"
         )
     if all(snapshot.get(c.PATH) is None for c in WORKER_CODEMODS.values()):
         return "unsupported", "no EAGLE worker in this release (EAGLE arrived in 0.4.1.post4)"
@@ -240,6 +272,9 @@ def _recorded_mismatch(path: str, data: bytes | None, recorded: Mapping[str, Fil
     return record is not None and sha256_or_none(data) != record.sha256_after
 
 
+EDITED_SINCE_APPLY = "changed since dynspec-patch wrote it (sha256 differs from the manifest)"
+
+
 def _encode(text: str | None) -> bytes | None:
     return None if text is None else text.encode("utf-8")
 
@@ -254,7 +289,7 @@ def _apply_one(
     if isinstance(state, Patched) and newer_than_me(state.version):
         return FileChange.kept(path, before, "patched", "refused", _newer_refusal(state.version))
     if isinstance(state, Patched) and _recorded_mismatch(path, before, recorded):
-        state = Unknown("changed since dynspec-patch wrote it (sha256 differs from the manifest)")
+        state = Unknown(EDITED_SINCE_APPLY)
         analysis.refusal = state.reason
     label = _state_label(state)
     if analysis.refusal is not None:
@@ -270,9 +305,14 @@ def _apply_one(
 
 
 def validate_options(
-    *, threshold: int | None = None, num_steps: int | None = None, worker: str = "auto"
+    *,
+    threshold: int | None = None,
+    num_steps: int | None = None,
+    worker: str = "auto",
+    route: str | None = None,
 ) -> None:
     """Refuse bad option values before anything is read or any host is contacted (exit 2)."""
+    validate_route(route)
     if threshold is not None and not 1 <= threshold <= MAX_THRESHOLD:
         raise UsageError(f"--threshold must be between 1 and {MAX_THRESHOLD}, got {threshold}")
     if num_steps is not None and not 1 <= num_steps <= MAX_NUM_STEPS:
@@ -293,20 +333,24 @@ def plan_apply(
     recorded: Mapping[str, FileRecord] | None = None,
     server_args: Mapping[str, object] | None = None,
     server_argv: Sequence[str] = (),
+    route: str | None = None,
 ) -> Plan:
     """Plan ``apply``: which files change and how, or why nothing may be written.
 
     ``server_args``/``server_argv`` describe the running server where one is known (``--host``):
     on the native route a configuration SGLang would silently run without the threshold
-    is refused.
+    is refused, and on the patch route a v2 server that runs SGLang's own
+    ``--speculative-adaptive`` (two controllers; the runtime would stay off). ``route`` is
+    ``--route`` (None: ``DEFAULT_ROUTE`` where a release offers both).
     """
-    validate_options(threshold=threshold, num_steps=num_steps, worker=worker)
+    validate_options(threshold=threshold, num_steps=num_steps, worker=worker, route=route)
     recorded = recorded or {}
     version = release_version(snapshot)
     analyses = _Analyses(snapshot)
-    route, reason = _route(snapshot, analyses.v2_facts())
+    routes = routes_offered(analyses.v2_facts())
+    route, reason = _route(snapshot, analyses.v2_facts(), route)
     if route == "unsupported":
-        return Plan("apply", version, route, reason)
+        return Plan("apply", version, route, reason, routes=routes)
     if route == "native":
         if threshold is None:
             raise UsageError("the native route needs --threshold N to build its config")
@@ -320,6 +364,11 @@ def plan_apply(
                 f"SGLang {version} switches --speculative-adaptive off for this server "
                 f"({why_not}): the threshold would do nothing; nothing was written"
             )
+        elif _any_patched(analyses):
+            refusal = (
+                "this tree carries the patch route: run dynspec-patch revert first (one "
+                "controller at a time); nothing was written"
+            )
         return Plan(
             "apply",
             version,
@@ -328,13 +377,11 @@ def plan_apply(
             native=config,
             server_flags=config.flags,
             refusal=refusal,
+            routes=routes,
         )
 
     selected, why = _selected_workers(snapshot, worker, live_worker)
-    files = [
-        _apply_one(InstallRuntimeModuleCommand(), analyses, recorded),
-        _apply_one(AddDisableThresholdArgCommand(), analyses, recorded),
-    ]
+    files = [_apply_one(codemod, analyses, recorded) for codemod in _core_codemods(snapshot)]
     for name, codemod_class in WORKER_CODEMODS.items():
         path = codemod_class.PATH
         if name in selected and snapshot.get(path) is None:
@@ -357,6 +404,43 @@ def plan_apply(
         tuple(files),
         server_flags=flags,
         patchable_workers=_patchable_workers(analyses),
+        refusal=_adaptive_conflict(selected, live_worker, server_args or {}, server_argv),
+        routes=routes,
+    )
+
+
+def _core_codemods(snapshot: Snapshot) -> list[object]:
+    """The runtime module and the ServerArgs codemods (the Spec fields file only where it is)."""
+    codemods: list[object] = [InstallRuntimeModuleCommand(), AddDisableThresholdArgCommand()]
+    if snapshot.get(AddDisableThresholdSpecFieldsCommand.PATH) is not None:
+        codemods.append(AddDisableThresholdSpecFieldsCommand())
+    return codemods
+
+
+def runs_sglang_adaptive(server_args: Mapping[str, object], argv: Sequence[str]) -> bool:
+    """Whether the server runs SGLang's own ``--speculative-adaptive``."""
+    if ADAPTIVE_FLAG in argv:
+        return True
+    return bool(server_args.get("speculative_adaptive"))
+
+
+def _adaptive_conflict(
+    selected: Sequence[str],
+    live_worker: str | None,
+    server_args: Mapping[str, object],
+    argv: Sequence[str],
+) -> str | None:
+    """The patch route on a v2 server that runs SGLang's adaptive: two controllers, refused.
+
+    The runtime would turn itself off there (one warning); v1 and the adaptive coexist, since
+    the v1 fallback never reaches the adaptive controller.
+    """
+    if "v2" not in selected or live_worker == "v1" or not runs_sglang_adaptive(server_args, argv):
+        return None
+    return (
+        "the server runs SGLang's own --speculative-adaptive, which would keep control (the "
+        "patch would stay off): relaunch it without --speculative-adaptive (after the native "
+        "route, dynspec-patch revert does that), or use --route native; nothing was written"
     )
 
 
@@ -450,12 +534,16 @@ def plan_revert(
     """
     recorded = recorded or {}
     version = release_version(snapshot)
-    route = _route(snapshot, _Analyses(snapshot).v2_facts())[0]
-    if route == "native":
-        return Plan("revert", version, route, "no source change to undo (native route)")
+    analyses = _Analyses(snapshot)
+    routes = routes_offered(analyses.v2_facts())
+    if "native" in routes and not _any_patched(analyses):
+        return Plan(
+            "revert", version, "native", "no source change to undo (native route)", routes=routes
+        )
     codemods = (
         HookEagleWorkerV2Command(),
         HookEagleWorkerCommand(),
+        AddDisableThresholdSpecFieldsCommand(),
         AddDisableThresholdArgCommand(),
         InstallRuntimeModuleCommand(),
     )
@@ -466,13 +554,34 @@ def plan_revert(
     )
     if any(f.action == "refused" for f in files):
         files = tuple(_as_not_written(f) for f in files)
-    return Plan("revert", version, "patch", "remove everything dynspec-patch inserted", files)
+    reason = "remove everything dynspec-patch inserted"
+    return Plan("revert", version, "patch", reason, files, routes=routes)
 
 
-def _status_one(codemod: object, analyses: _Analyses) -> FileChange:
+def _any_patched(analyses: _Analyses) -> bool:
+    """Whether any file carries dynspec-patch's statements (the patch route was applied)."""
+    for codemod_class in CODEMODS:
+        if analyses.snapshot.get(codemod_class.PATH) is None:
+            continue
+        analysis = analyses.of(codemod_class())
+        if isinstance(analysis.state, Patched) or (  # type: ignore[attr-defined]
+            isinstance(analysis.state, Unknown)  # type: ignore[attr-defined]
+            and b"dynspec-patch" in (analyses.snapshot.get(codemod_class.PATH) or b"")
+        ):
+            return True
+    return False
+
+
+def _status_one(
+    codemod: object, analyses: _Analyses, recorded: Mapping[str, FileRecord] | None = None
+) -> FileChange:
+    """One file's state as ``apply`` judges it: a patched file whose bytes differ from what
+    the manifest recorded (edited by hand since) is ``unknown``, as ``apply`` refuses it."""
     path: str = codemod.PATH  # type: ignore[attr-defined]
     data = analyses.snapshot.get(path)
     analysis = analyses.of(codemod)
+    if isinstance(analysis.state, Patched) and _recorded_mismatch(path, data, recorded or {}):
+        return FileChange.kept(path, data, "unknown", "unchanged", EDITED_SINCE_APPLY)
     label = _state_label(analysis.state)
     reason = analysis.refusal or analysis.state.describe()
     return FileChange.kept(path, data, label, "unchanged", reason)
@@ -488,20 +597,32 @@ def _patchable_workers(analyses: _Analyses) -> tuple[str, ...]:
     )
 
 
-def plan_status(snapshot: Snapshot) -> Plan:
-    """Route and per-file state, without planning any change (detect-path, status)."""
+def plan_status(
+    snapshot: Snapshot,
+    recorded: Mapping[str, FileRecord] | None = None,
+    *,
+    native_applied: bool = False,
+) -> Plan:
+    """Route and per-file state, without planning any change (detect-path, status); with
+    ``recorded`` (the manifest's files) each row says what ``apply`` would say of that file.
+
+    On a release that offers both routes the route shown is the one the tree is on: patch
+    when any file carries our statements, native when ``native_applied`` (the caller found
+    the native route's config), else the one ``apply`` would take.
+    """
     version = release_version(snapshot)
     analyses = _Analyses(snapshot)
-    route, reason = _route(snapshot, analyses.v2_facts())
+    routes = routes_offered(analyses.v2_facts())
+    requested = None
+    if "native" in routes:
+        requested = "patch" if _any_patched(analyses) or not native_applied else "native"
+    route, reason = _route(snapshot, analyses.v2_facts(), requested)
     if route != "patch":
-        return Plan("status", version, route, reason)
-    files = [
-        _status_one(InstallRuntimeModuleCommand(), analyses),
-        _status_one(AddDisableThresholdArgCommand(), analyses),
-    ]
+        return Plan("status", version, route, reason, routes=routes)
+    files = [_status_one(codemod, analyses, recorded) for codemod in _core_codemods(snapshot)]
     for codemod_class in WORKER_CODEMODS.values():
         if snapshot.get(codemod_class.PATH) is not None:
-            files.append(_status_one(codemod_class(), analyses))
+            files.append(_status_one(codemod_class(), analyses, recorded))
     return Plan(
         "status",
         version,
@@ -509,6 +630,7 @@ def plan_status(snapshot: Snapshot) -> Plan:
         reason,
         tuple(files),
         patchable_workers=_patchable_workers(analyses),
+        routes=routes,
     )
 
 
@@ -552,6 +674,8 @@ def tree_state(plan: Plan, manifest: Manifest | None, snapshot: Snapshot) -> Tre
     if manifest is not None and manifest.files:
         for record in manifest.files:
             current = sha256_or_none(snapshot.get(record.path))
+            if states.get(record.path) == "unknown":
+                continue  # its row's reason is listed above
             if current not in (record.sha256_after, record.sha256_before):
                 problems.append(f"{record.path}: matches neither the recorded original nor patch")
     if newer_than_me(manifest.tool_version if manifest else None):
@@ -575,7 +699,9 @@ def tree_state(plan: Plan, manifest: Manifest | None, snapshot: Snapshot) -> Tre
         return TreeState("unknown", tuple(problems))
     if not values or values <= {"unpatched", "missing"}:
         return TreeState("original")
-    core = (runtime, AddDisableThresholdArgCommand.PATH)
+    core = [runtime, AddDisableThresholdArgCommand.PATH]
+    if AddDisableThresholdSpecFieldsCommand.PATH in states:
+        core.append(AddDisableThresholdSpecFieldsCommand.PATH)
     if all(states.get(p) == "patched" for p in core) and hooks and not problems:
         return TreeState("patched")
     return TreeState("mixed", tuple(problems) or ("files are partly patched",))

@@ -190,7 +190,7 @@ class EffectiveArgs:
 
 @dataclass(frozen=True)
 class LiveWorker:
-    worker: str  # v1 | v2 | native | none
+    worker: str  # v1 | v2 | none
     evidence: tuple[str, ...]
     source: str
 
@@ -213,11 +213,8 @@ def decide_live_worker(version: str | None, effective: EffectiveArgs | None) -> 
         return LiveWorker("none", (*ev, "release unknown"), src)
     if not at_least(version, "0.4.1.post4"):
         return LiveWorker("none", (*ev, "EAGLE arrived in 0.4.1.post4"), src)
-    if at_least(version, "0.5.14"):
-        return LiveWorker("native", (*ev, "0.5.14+: EAGLEWorkerV2 with native steps-0 "
-                                          "adaptive speculation"), src)
     if at_least(version, "0.5.13"):
-        return LiveWorker("v2", (*ev, "0.5.13: EAGLEWorkerV2 always"), src)
+        return LiveWorker("v2", (*ev, "0.5.13+: EAGLEWorkerV2 always"), src)
     if at_most(version, "0.5.3.post1"):
         return LiveWorker("v1", (*ev, "≤0.5.3.post1: EAGLEWorker only"), src)
     if values.get("enable_multi_layer_eagle"):
@@ -254,6 +251,7 @@ class ServerProcess:
     info_tried: tuple[Mapping[str, Any], ...] = ()
     log_line: str | None = None
     container: Mapping[str, Any] | None = None  # docker inspect summary; None on the bare host
+    address: str = "127.0.0.1"  # where it is reached on the host (its --host; any -> loopback)
 
     @classmethod
     def from_agent(cls, raw: Mapping[str, Any]) -> ServerProcess:
@@ -266,7 +264,7 @@ class ServerProcess:
             listening=tuple(raw.get("listening") or ()), stdout=raw.get("stdout"), raw=raw,
             info=info.get("body"), info_endpoint=info.get("endpoint"),
             info_tried=tuple(info.get("tried") or ()), log_line=raw.get("log_line"),
-            container=raw.get("container"),
+            container=raw.get("container"), address=raw.get("address") or "127.0.0.1",
         )
 
     def redacted_argv(self) -> list[str]:
@@ -303,6 +301,10 @@ class HostFacts:
     busy: str | None = None
     effective: EffectiveArgs | None = None
     live: LiveWorker = field(default_factory=lambda: LiveWorker("none", (), "none"))
+    # read only when no server runs: restarts of this host's servers (their markers), and
+    # Docker containers whose command is a server but that are stopped
+    restarts: tuple[Mapping[str, Any], ...] = ()
+    stopped_containers: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def release(self) -> str | None:
@@ -353,6 +355,8 @@ def from_agent(raw: Mapping[str, Any], hello: Mapping[str, Any]) -> HostFacts:
         writable=bool(raw.get("writable")),
         busy=raw.get("busy"),
         effective=effective, live=decide_live_worker(version, effective),
+        restarts=tuple(raw.get("restarts") or ()),
+        stopped_containers=tuple(raw.get("stopped_containers") or ()),
     )
 
 

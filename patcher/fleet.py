@@ -101,6 +101,7 @@ class HostTask:
     state: str = "present"  # present | absent
     threshold: int | None = None
     worker: str = "auto"
+    route: str | None = None  # patch | native (None: the release's default)
     restart: bool = True
     restart_cmd: str | None = None
     health_timeout: float = 1200.0
@@ -134,13 +135,14 @@ def _module_result(out: dict[str, Any], *, check_mode: bool, diff: bool,
     if check_mode:
         changed = bool(plan.changes) or str(restart or "").startswith("would")
     else:
-        changed = bool(out.get("files_changed")) or restarted
+        changed = bool(out.get("files_changed")) or restarted or bool(out.get("resumed_rotation"))
     result: dict[str, Any] = {
         "changed": changed,
         "failed": plan.refused,
         "rolled_back": False,
         "sglang_version": plan.sglang_version,
         "route": plan.route,
+        "routes": list(plan.routes),
         "reason": plan.reason,
         "live_worker": out.get("live_worker"),
         "live_worker_source": out.get("live_worker_source"),
@@ -152,6 +154,7 @@ def _module_result(out: dict[str, Any], *, check_mode: bool, diff: bool,
         "server_pid_after": restart.get("pid") if restarted else out.get("server_pid"),
         "restart": restart,
         "router": out.get("router"),
+        "resumed_rotation": out.get("resumed_rotation"),
     }
     if plan.refused:
         result["msg"] = plan.refusal_reason
@@ -186,7 +189,7 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
                          drain_timeout=task.drain_timeout) if task.router else None)
     pid_before: list[int] = []
 
-    def note_pid(_s: Any, server: ServerProcess) -> None:
+    def note_pid(_s: Any, server: ServerProcess, _facts: Any) -> None:
         pid_before.append(server.pid)
 
     common: dict[str, Any] = {
@@ -195,7 +198,8 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
         "health_timeout": task.health_timeout, "stop_timeout": task.stop_timeout,
     }
     if task.state == "present":
-        operation, extra = deploy.apply, {"threshold": task.threshold, "worker": task.worker}
+        operation, extra = deploy.apply, {
+            "threshold": task.threshold, "worker": task.worker, "route": task.route}
     else:
         operation, extra = deploy.revert, {"force": task.force}
     conn = Connection(target, accept_new_host_key=accept_new_host_key or

@@ -27,7 +27,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dynspec_patch.patcher import engine
+from dynspec_patch import transforms
+from dynspec_patch.patcher import engine, manifest
 from dynspec_patch.patcher.engine import FileChange, Plan, Snapshot
 from dynspec_patch.patcher.manifest import FileRecord, sha256_or_none
 from dynspec_patch.patcher.releases import cache_dir
@@ -36,11 +37,18 @@ from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
 
 @functools.cache
 def _code_digest() -> str:
+    """sha256 of the code that plans, as this process runs it: ``patcher/engine.py``,
+    ``patcher/manifest.py`` and every module of ``transforms``, found from the imported modules
+    themselves (never from module names spelled as strings). Files are named relative to the
+    package, so two installs of the same code share their plans."""
+    transforms_dir = Path(str(resources.files(transforms)))
+    named = [("patcher/engine.py", Path(engine.__file__)),
+             ("patcher/manifest.py", Path(manifest.__file__)),
+             *((f"transforms/{path.relative_to(transforms_dir).as_posix()}", path)
+               for path in sorted(transforms_dir.glob("**/*.py")))]
     digest = hashlib.sha256()
-    for package, pattern in (("patcher", "engine.py"), ("patcher", "manifest.py"),
-                             ("transforms", "**/*.py")):
-        for path in sorted(Path(str(resources.files(package))).glob(pattern)):
-            digest.update(path.as_posix().encode() + b"\0" + path.read_bytes())
+    for name, path in named:
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -72,6 +80,7 @@ def _encode(plan: Plan) -> dict[str, Any]:
         "server_flags": list(plan.server_flags),
         "patchable_workers": list(plan.patchable_workers),
         "refusal": plan.refusal,
+        "routes": list(plan.routes),
     }
 
 
@@ -86,7 +95,7 @@ def _decode(data: Mapping[str, Any], snapshot: Snapshot) -> Plan:
                                 f["action"], f["reason"], original))
     return Plan(data["operation"], data["sglang_version"], data["route"], data["reason"],
                 tuple(files), None, tuple(data["server_flags"]),
-                tuple(data["patchable_workers"]), data["refusal"])
+                tuple(data["patchable_workers"]), data["refusal"], tuple(data["routes"]))
 
 
 def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | None = None,
@@ -95,23 +104,26 @@ def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | N
                native_config_path: str = CONFIG_FILE_NAME,
                recorded: Mapping[str, FileRecord] | None = None,
                server_args: Mapping[str, object] | None = None,
-               server_argv: Sequence[str] = ()) -> Plan:
+               server_argv: Sequence[str] = (), route: str | None = None) -> Plan:
     """``engine.plan_apply``, planned once per key on this machine (same arguments).
 
-    ``server_args``/``server_argv`` only decide native-route refusals, and native plans are
-    never stored, so they are not part of the key."""
+    Of ``server_args``/``server_argv`` a patch-route plan depends only on whether the server
+    runs SGLang's own adaptive speculation (the key holds that); the rest decides native-route
+    refusals, and native plans are never stored."""
     recorded = recorded or {}
     # native_config_path differs per host and only the native route (cheap, never stored)
     # uses it, like num_steps and cuda_graph_bs
     params = {"op": "apply", "worker": worker, "live_worker": live_worker,
-              "threshold": threshold}
+              "threshold": threshold, "route": route,
+              "sglang_adaptive": engine.runs_sglang_adaptive(server_args or {}, server_argv)}
 
     def plan() -> Plan:
         return engine.plan_apply(snapshot, worker=worker, live_worker=live_worker,
                                  threshold=threshold, num_steps=num_steps,
                                  cuda_graph_bs=cuda_graph_bs,
                                  native_config_path=native_config_path, recorded=recorded,
-                                 server_args=server_args, server_argv=server_argv)
+                                 server_args=server_args, server_argv=server_argv,
+                                 route=route)
 
     directory = cache_dir() / "plans"
     try:

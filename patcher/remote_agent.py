@@ -145,7 +145,14 @@ def copy_owner_mode(src, dst):
 
 
 def _read_proc(pid, name):
-    return read_bytes(os.path.join(PROC, str(pid), name))
+    """``/proc/PID/<name>``, or None once the process is gone: a process listed a moment ago
+    may exit before it is read (``open`` then fails with ENOENT, a read of the open file with
+    ESRCH), and one of another user may be unreadable (``hidepid``, a set-uid exec)."""
+    try:
+        with open(os.path.join(PROC, str(pid), name), "rb") as fh:
+            return fh.read()
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError, PermissionError):
+        return None
 
 
 def proc_stat(pid):
@@ -322,6 +329,11 @@ def find_servers():
         ports = ports_of(tree)
         port_flag = flag_value(argv, "--port")
         stdout = readlink(os.path.join(PROC, str(pid), "fd", "1"))
+        gid = status_field(pid, "Gid")
+        sig_ign = status_field(pid, "SigIgn")
+        container_id = container_id_of(pid)
+        if not alive(pid):
+            continue  # it exited while it was read: what was read of it is incomplete
         servers.append(
             {
                 "pid": pid,
@@ -338,11 +350,12 @@ def find_servers():
                 "listening": ports,
                 "port": int(port_flag) if port_flag and port_flag.isdigit() else None,
                 "host": flag_value(argv, "--host"),
+                "address": connect_host({"host": flag_value(argv, "--host")}),
                 "stdout": stdout if stdout and stdout.startswith("/") else None,
                 "tree": tree,
-                "gid": int(status_field(pid, "Gid") or -1),
-                "sig_ign": status_field(pid, "SigIgn"),
-                "container_id": container_id_of(pid),
+                "gid": int(gid or -1),
+                "sig_ign": sig_ign,
+                "container_id": container_id,
             }
         )
     return servers
@@ -357,9 +370,13 @@ def server_port(server):
 
 
 def connect_host(server):
+    """The address the server is reached at on the host: the one it listens on (``--host``),
+    loopback where it listens on every address (``0.0.0.0``; ``::`` is IPv6 only there)."""
     host = server.get("host") or "127.0.0.1"
-    if host in ("0.0.0.0", "::", "", "localhost"):
+    if host in ("0.0.0.0", "", "localhost"):
         return "127.0.0.1"
+    if host == "::":
+        return "::1"
     return host
 
 
@@ -630,6 +647,9 @@ def op_facts(args):
     servers = find_servers()
     chosen = select_servers(servers, args.get("pid"), args.get("port"))
     result = {"servers": servers, "selected": None, "package": None, "errors": []}
+    if not servers:  # where did it go? another run restarting it, or a stopped container
+        result["restarts"] = restarts_in_progress()
+        result["stopped_containers"] = stopped_server_containers(args)
     server = chosen[0] if len(chosen) == 1 else None
     if server is not None and server.get("container_id") is not None:
         return facts_in_container(server, servers, args)
@@ -865,6 +885,17 @@ def op_write_file(args):
     return {"path": path}
 
 
+def op_remove_file(args):
+    take_lock(args["state_dir"])
+    path = os.path.join(args["state_dir"], args["name"])
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return {"removed": None}
+    fsync_dir(args["state_dir"])
+    return {"removed": path}
+
+
 # --------------------------------------------------------------------------- restart
 
 
@@ -874,7 +905,8 @@ def stop_tree(server, stop_timeout):
     if not alive(root):
         return {"already_gone": True, "killed": []}
     pids = [root, *descendants(root)]
-    pgid = proc_stat(root)["pgid"] if proc_stat(root) else None
+    st = proc_stat(root)
+    pgid = st["pgid"] if st else None
     if pgid and pgid != os.getpgrp():
         for pid in all_pids():
             st = proc_stat(pid)
@@ -1088,6 +1120,101 @@ def start_and_check(spec, server, args, log_path, expect):
     return {"pid": pid, "log": log_path, "proof": proof, "gpu": gpu}
 
 
+# While a restart has the server stopped, no process says where it was: a run that arrives then
+# finds no server. So a restart holds a marker per port in the host's temp dir (flock'd, like
+# the lock, so it dies with its agent), naming the run, the package and the server's log.
+RESTARTS_DIRNAME = "dynspec-patch-restarts"
+
+
+def restarts_dir():
+    return os.path.join(tempfile.gettempdir(), RESTARTS_DIRNAME)
+
+
+def _own_dir(path):
+    """``path`` as a directory of this user's only (a temp dir others can write to holds it)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return os.path.isdir(path) and not os.path.islink(path) and st.st_uid == os.geteuid()
+
+
+def mark_restart(server, state, pkg, log_path):
+    """Hold ``<tmp>/dynspec-patch-restarts/port-P`` for the length of a restart (best effort:
+    without it only the explanation of a missing server is lost)."""
+    if not _own_dir(restarts_dir()):
+        return None
+    path = os.path.join(restarts_dir(), "port-%d" % server_port(server))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({
+        "port": server_port(server), "agent_pid": os.getpid(),
+        "user": os.environ.get("SUDO_USER") or getpass.getuser(),
+        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "server_pid": server["pid"], "package_dir": pkg, "state_dir": state, "log": log_path,
+    }).encode())
+    return fd, path
+
+
+def unmark_restart(mark):
+    if mark is None:
+        return
+    fd, path = mark
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def restarts_in_progress():
+    """Every restart marker: ``in_progress`` while its agent holds it, else the restart was
+    cut short (its agent killed) with the server perhaps still stopped."""
+    out = []
+    try:
+        names = sorted(os.listdir(restarts_dir()))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            fd = os.open(os.path.join(restarts_dir(), name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                held = False
+            except OSError:
+                held = True
+            try:
+                mark = json.loads(os.read(fd, 65536).decode("utf-8", "replace"))
+            except ValueError:
+                continue
+        finally:
+            os.close(fd)
+        if not isinstance(mark, dict):
+            continue
+        if not held and not os.path.isdir(mark.get("package_dir") or ""):
+            try:  # a cut-short restart of an installation that is gone: nothing to explain
+                os.unlink(os.path.join(restarts_dir(), name))
+            except OSError:
+                pass
+            continue
+        mark["in_progress"] = held
+        out.append(mark)
+    return out
+
+
 def op_restart(args):
     """Restart with the new command; on failure undo the last commit and restart the original."""
     if args["server"].get("container"):
@@ -1097,6 +1224,15 @@ def op_restart(args):
     server = args["server"]
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     log_path = os.path.join(state, "server-%s.log" % stamp)
+    mark = mark_restart(server, state, pkg, log_path)
+    try:
+        return restart_bare(args, state, pkg, server, stamp, log_path)
+    finally:
+        unmark_restart(mark)
+
+
+def restart_bare(args, state, pkg, server, stamp, log_path):
+    """``op_restart`` on the host itself (no container)."""
     new = dict(server, argv=args["argv"])
     try:
         done = start_and_check(new, server, args, log_path, args.get("expect"))
@@ -1148,7 +1284,7 @@ def op_restart_done(args):
 # on container paths exactly as on a bare host. Requests for it are forwarded (INNER_OPS).
 
 CONTAINER_ID = re.compile(r"\b[0-9a-f]{64}\b")
-INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file")
+INNER_OPS = ("stage", "commit", "undo", "discard_staged", "write_file", "remove_file")
 _docker = {"client": None, "host": None}
 _inner = None  # the agent inside the selected server's container, once facts started it
 _container_lock_fd = None
@@ -1211,16 +1347,79 @@ def ns_pid(pid):
     return value if value is not None else pid
 
 
-def docker_daemon_for(cid):
-    """``-H`` of the dockerd whose data root holds container ``cid`` (several engines may run)."""
+def dockerds():
+    """``(-H, data root)`` of every dockerd running on the host (``-H`` None: the default)."""
+    out = []
     for pid in all_pids():
         argv = argv_of(pid)
         if not argv or os.path.basename(argv[0]) != "dockerd":
             continue
         root = flag_value(argv, "--data-root") or flag_value(argv, "-g") or "/var/lib/docker"
+        out.append((flag_value(argv, "-H") or flag_value(argv, "--host"), root))
+    return out
+
+
+def docker_daemon_for(cid):
+    """``-H`` of the dockerd whose data root holds container ``cid`` (several engines may run)."""
+    for host, root in dockerds():
         if os.path.isdir(os.path.join(root, "containers", cid)):
-            return flag_value(argv, "-H") or flag_value(argv, "--host")
+            return host
     return None
+
+
+def runs_a_server(command):
+    """A container command that starts an SGLang server (also through ``sh -c "..."``)."""
+    if is_server_argv(command):
+        return True
+    text = " ".join(command)
+    return any(module in text for module in LAUNCH_MODULES) or "sglang serve" in text
+
+
+def stopped_server_containers(args):
+    """Docker containers on this host whose command is an SGLang server and that do not run
+    (exited, created, dead, or restarting after a crash): where a missing server went. Each
+    with the dynspec-patch run working on it, if one holds its lock."""
+    client = args.get("docker_client") or shutil.which("docker")
+    if not client or not os.access(client, os.X_OK):
+        return []
+    # the daemons that run here (no dockerd: no container can be stopped and started here)
+    daemons = [args["docker_host"]] if args.get("docker_host") else \
+        sorted({host for host, _ in dockerds()}, key=str)
+    found = []
+    for host in daemons:
+        base = [client, *(["-H", host] if host else [])]
+        try:
+            listed = subprocess.run(
+                [*base, "ps", "-aq", "--no-trunc", "--filter", "status=exited",
+                 "--filter", "status=created", "--filter", "status=dead",
+                 "--filter", "status=restarting"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                timeout=60)
+            ids = listed.stdout.decode().split() if listed.returncode == 0 else []
+            if not ids:
+                continue
+            shown = subprocess.run([*base, "inspect", "--type", "container", *ids],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        try:
+            containers = json.loads(shown.stdout.decode() or "[]")
+        except ValueError:
+            continue
+        for c in containers:
+            command = [c.get("Path") or "", *(c.get("Args") or [])]
+            if not runs_a_server(command):
+                continue
+            state = c.get("State") or {}
+            found.append({
+                "id": c["Id"], "name": c.get("Name", "").lstrip("/"),
+                "image": (c.get("Config") or {}).get("Image"),
+                "status": state.get("Status"), "exit_code": state.get("ExitCode"),
+                "finished_at": state.get("FinishedAt"), "docker_host": host,
+                "busy": lock_holder(container_lock_dir(c["Id"])),
+            })
+    return found
 
 
 def use_docker(args, cid):
@@ -1573,6 +1772,7 @@ OPS = {
     "undo": op_undo,
     "discard_staged": op_discard_staged,
     "write_file": op_write_file,
+    "remove_file": op_remove_file,
     "restart": op_restart,
     "restart_done": op_restart_done,
     "commit_image": op_commit_image,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher import deploy, router
 from dynspec_patch.patcher.container import DockerOptions
 from dynspec_patch.patcher.deploy import Faults
 from dynspec_patch.patcher.router import Rotation, rolling
@@ -64,14 +64,15 @@ def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: boo
           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
           on_progress: Callable[[str], None] | None = None,
           commit_image: str | None = None,
-          rotation: Rotation | None = None) -> dict[str, Any]:
+          rotation: Rotation | None = None, route: str | None = None) -> dict[str, Any]:
     """Patch the host's sglang (or write the native config), then restart and prove it;
     with ``rotation`` the server is out of its sglang-router while it restarts; for a server
-    in a container, optionally ``docker commit`` it as ``commit_image``."""
+    in a container, optionally ``docker commit`` it as ``commit_image``; ``route`` is
+    ``--route`` (patch | native; None: the release's default)."""
     return _run(opts, rolling, faults, on_progress, operation=deploy.apply, rotation=rotation,
                 threshold=threshold, worker=worker, dry_run=dry_run, no_restart=no_restart,
                 restart_cmd=restart_cmd, pid=pid, port=port, health_timeout=health_timeout,
-                stop_timeout=stop_timeout, commit_image=commit_image)
+                stop_timeout=stop_timeout, commit_image=commit_image, route=route)
 
 
 def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
@@ -90,5 +91,7 @@ def revert(opts: HostOptions, *, dry_run: bool, force: bool, no_restart: bool,
 
 
 def status(opts: HostOptions) -> dict[str, Any]:
-    """original | patched | mixed | unknown, restart pending, what the server runs."""
-    return _run(opts, deploy.status)
+    """original | patched | mixed | unknown, restart pending, what the server runs; a router
+    rotation an earlier run left unfinished is finished (the worker put back) where its server
+    answers."""
+    return _run(opts, router.status)

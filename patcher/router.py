@@ -15,19 +15,26 @@ The worker leaves the router only when the server really restarts; a run that ch
 1. before anything is written: the worker must be listed by the router, and another healthy
    worker must remain to take the traffic (else refused);
 2. just before the server is stopped (after checking again that another healthy worker
-   remains): ``DELETE /workers/{id}``; wait until it is unlisted;
+   remains): record the rotation on the host (``deploy.ROTATION_NAME``), then
+   ``DELETE /workers/{id}``; wait until it is unlisted;
 3. wait until the server has had no request in flight for ``settle`` seconds
    (at most ``drain_timeout``; a server without a load endpoint gets ``settle`` plus a fixed
    ``grace`` instead). If it does not drain, it is put back and nothing is restarted;
 4. patch, restart, health gate and proof (``patcher.deploy``);
-5. ``POST /workers {url}``; wait until the router lists it healthy.
+5. ``POST /workers {url}``; wait until the router lists it healthy; drop the record.
 
-If anything fails after step 2 the worker stays out of the router and the error says so.
+If anything fails after step 2 the worker stays out of the router and the error says so; the
+record stays on the host, and the next ``apply``, ``revert`` or ``status`` there finishes the
+rotation (``Rotation.resume``).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import getpass
 import json
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -36,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynspec_patch.patcher import deploy
+from dynspec_patch.patcher.deploy import ROTATION_NAME, BeforeRestart, rotation_journal
 from dynspec_patch.patcher.errors import DynspecError, RefusedError
 from dynspec_patch.patcher.facts import ServerProcess
 from dynspec_patch.patcher.ssh import Connection, ConnectionLost, RemoteError
@@ -129,10 +138,9 @@ class RouterClient:
 def in_flight(conn: Connection, server: ServerProcess) -> tuple[int | None, str]:
     """Requests the server is working on (running + waiting), read on the host; ``None``
     when the release has no load endpoint."""
-    host = server.host if server.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
     for path in ("/v1/loads", "/get_load"):
         try:
-            resp = conn.http_get(server.port, path, host=host, timeout=5.0)
+            resp = conn.http_get(server.port, path, host=server.address, timeout=5.0)
         except (RemoteError, ConnectionLost) as exc:
             raise RouterError(f"cannot read the load of the server on port {server.port}: "
                               f"{exc}") from exc
@@ -180,9 +188,19 @@ def drain(conn: Connection, server: ServerProcess, *, timeout: float, settle: fl
         count = count or 0
 
 
+def _journal_line(left: dict[str, Any]) -> str:
+    return (f"an earlier run ({left.get('by')}, since {left.get('since')}) left "
+            f"{left.get('worker')} out of the router {left.get('router')}")
+
+
 @dataclass
 class Rotation:
-    """Takes one host's server out of the router around its restart, then puts it back."""
+    """Takes one host's server out of the router around its restart, then puts it back.
+
+    The rotation is recorded on the host (``deploy.ROTATION_NAME`` in its state directory)
+    before the worker leaves the router, and removed once it is back: a run cut short in
+    between (a killed CLI, a lost controller) leaves the record, and the next ``apply``,
+    ``revert`` or ``status`` on that host finishes the rotation (``resume``)."""
 
     router: RouterClient
     worker_url: str | None = None  # default: http://<SSH hostname>:<server port>
@@ -192,13 +210,18 @@ class Rotation:
     add_timeout: float = 300.0
     report: dict[str, Any] = field(default_factory=dict)
     _worker: dict[str, Any] | None = None
+    _state_dir: str | None = None
+    resumed: dict[str, Any] | None = None  # the record of the earlier run this one finishes
 
     @property
     def left_out(self) -> bool:
         return bool(self.report.get("removed")) and not self.report.get("added_back")
 
     def resolve(self, preview: dict[str, Any], hostname: str) -> None:
-        """Find the worker in the router before anything is written."""
+        """Find the worker in the router before anything is written (or, where an earlier
+        run left it out, take over that rotation)."""
+        if self.take_over(preview):
+            return
         if self.worker_url is None:
             port = next((s["port"] for s in preview.get("servers", [])
                          if s["pid"] == preview.get("server_pid")), None)
@@ -218,6 +241,39 @@ class Rotation:
                 "router_worker_url); nothing was written")
         self._require_another(workers, "nothing was written")
 
+    def take_over(self, preview: dict[str, Any]) -> bool:
+        """``resume`` the rotation an earlier run left on the host, if it used this router
+        (another router is refused: nothing was written). True while its worker is out."""
+        self._state_dir = preview.get("state_dir")
+        left = preview.get("router_rotation")
+        if left is None:
+            return False
+        if not _same_url(left.get("router"), self.router.url):
+            raise RefusedError(
+                f"{_journal_line(left)}; finish that first: the same command with --router "
+                f"{left.get('router')} (or without --router); nothing was written")
+        return self.resume(left, self._state_dir)
+
+    def resume(self, left: dict[str, Any], state_dir: str | None) -> bool:
+        """Take over the rotation ``left`` (read from the host): True while its worker is
+        still out of the router; False when it is back already (the record is stale)."""
+        self._state_dir = state_dir
+        self.worker_url = left["worker"]
+        self.report.update(url=self.router.url, worker=self.worker_url)
+        try:
+            listed = self.router.find(self.worker_url)
+        except RouterError as exc:
+            raise RouterError(f"{_journal_line(left)} (recorded in {state_dir}/{ROTATION_NAME})"
+                              f", and {exc}") from exc
+        if listed is not None:
+            self._worker = listed
+            self.report["stale_record"] = f"{_journal_line(left)}; it is back in the router"
+            return False
+        self._worker = {"url": self.worker_url, **(left.get("like") or {})}
+        self.resumed = left
+        self.report.update(removed=True, resumed=dict(left))
+        return True
+
     def _require_another(self, workers: list[dict[str, Any]], consequence: str) -> None:
         """Taking the router's last healthy worker out would fail every request: refuse."""
         others = [w for w in workers if w.get("is_healthy", True)
@@ -228,58 +284,106 @@ class Rotation:
                 f"taking it out would fail every request; {consequence} (roll one server at a "
                 "time, serial: 1, or run without the router)")
 
-    def before_restart(self, s: Any, server: ServerProcess) -> None:
+    def _record(self, s: Any) -> None:
+        """Write the rotation on the host before the worker leaves the router."""
+        assert self._state_dir is not None
+        record = {"router": self.router.url, "worker": self.worker_url,
+                  "like": {k: self._worker.get(k) for k in ("priority", "cost")
+                           if self._worker and self._worker.get(k) is not None},
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "by": f"{getpass.getuser()}@{socket.gethostname()}"}
+        s.agent.request("write_file", {"state_dir": self._state_dir, "name": ROTATION_NAME,
+                                       "data": base64.b64encode(json.dumps(record).encode())
+                                       .decode()})
+
+    def forget(self, s: Any) -> None:
+        """Drop the host's record of the rotation (the worker is back in the router)."""
+        if self._state_dir is not None:
+            s.agent.request("remove_file", {"state_dir": self._state_dir, "name": ROTATION_NAME})
+
+    def before_restart(self, s: Any, server: ServerProcess, _facts: Any = None) -> None:
         assert self._worker is not None, "resolve() first"
-        self._require_another(self.router.workers(),
-                              "the files are patched, the restart is pending")
-        self.report["removed_seconds"] = round(self.router.remove(self._worker,
-                                                                  self.add_timeout), 3)
-        self.report["removed"] = True
+        if not self.report.get("removed"):
+            self._require_another(self.router.workers(),
+                                  "the files are patched, the restart is pending")
+            self._record(s)
+            self.report["removed_seconds"] = round(self.router.remove(self._worker,
+                                                                      self.add_timeout), 3)
+            self.report["removed"] = True
         try:
             self.report["drain"] = drain(s.conn, server, timeout=self.drain_timeout,
                                          settle=self.settle, grace=self.grace)
         except RouterError:
-            self.add_back()  # the old server still runs: back into rotation, no restart
+            self.add_back(s)  # the old server still runs: back into rotation, no restart
             raise
 
-    def add_back(self) -> None:
+    def add_back(self, s: Any) -> None:
+        """Put the worker back (once the router lists it healthy), then drop the record."""
         assert self.worker_url is not None
         started = time.monotonic()
         self.router.add(self.worker_url, self.add_timeout, like=self._worker)
         self.report["added_back"] = True
         self.report["add_seconds"] = round(time.monotonic() - started, 3)
+        self.forget(s)
+
+    def finished_line(self) -> str | None:
+        """One line saying that this run finished an earlier run's rotation."""
+        if self.resumed is None:
+            return None
+        done = "put it back" if self.report.get("added_back") else "it is still OUT"
+        return f"{_journal_line(self.resumed)}: this run finished that rotation ({done})"
+
+
+def _left_rotation(result: dict[str, Any]) -> Rotation | None:
+    """The rotation an earlier run left unfinished on this host, taken over (None: none)."""
+    left = result.get("router_rotation")
+    if left is None:
+        return None
+    rotation = Rotation(RouterClient(left["router"]))
+    return rotation if rotation.resume(left, result.get("state_dir")) else None
 
 
 def rolling(s: Any, *, operation: Operation, rotation: Rotation | None,
-            observe_restart: Callable[[Any, ServerProcess], None] | None = None,
-            **kwargs: Any) -> dict[str, Any]:
+            observe_restart: BeforeRestart | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run ``deploy.apply`` / ``deploy.revert`` on session ``s``; with a ``rotation``, the
-    server is out of the router only while it restarts (see the module docstring).
+    server is out of the router only while it restarts (see the module docstring). A rotation
+    an earlier run left unfinished on the host is finished, with or without ``rotation``.
     ``observe_restart`` is told which server is about to be stopped."""
     if rotation is None:
-        return operation(s, before_restart=observe_restart, **kwargs)
+        return _without_router(s, operation, observe_restart, kwargs)
 
-    def before_restart(s: Any, server: ServerProcess) -> None:
+    def before_restart(s: Any, server: ServerProcess, facts: Any) -> None:
         if observe_restart is not None:
-            observe_restart(s, server)
+            observe_restart(s, server, facts)
         rotation.before_restart(s, server)
 
     dry_run = kwargs.pop("dry_run")
     preview = operation(s, dry_run=True, **kwargs)
     restart = str(preview.get("restart", ""))
-    if dry_run or preview["plan"].refused or not restart.startswith("would restart"):
-        if dry_run and restart.startswith("would restart"):
-            rotation.resolve(preview, s.conn.target.hostname)
+    restarts = not preview["plan"].refused and restart.startswith("would restart")
+    if restarts:
+        rotation.resolve(preview, s.conn.target.hostname)
+    elif not preview["plan"].refused:
+        rotation.take_over(preview)  # no restart, but an earlier run's worker to put back
+    if dry_run:
+        if restarts:
             rotation.report["would"] = "take the worker out, drain, restart, put it back"
+        elif rotation.resumed:
+            rotation.report["would"] = "put the worker back (an earlier run left it out)"
         else:
             rotation.report.update(url=rotation.router.url, untouched="no restart")
-        if dry_run:
-            preview["router"] = rotation.report
-            return preview
+        preview["router"] = rotation.report
+        return preview
+    if not restarts:
         result = operation(s, dry_run=False, before_restart=observe_restart, **kwargs)
+        if rotation.resumed:
+            _put_back(s, rotation, result)
+        else:
+            if rotation.report.get("stale_record"):
+                rotation.forget(s)
+            rotation.report.update(url=rotation.router.url, untouched="no restart")
         result["router"] = rotation.report
         return result
-    rotation.resolve(preview, s.conn.target.hostname)
     try:
         result = operation(s, dry_run=False, before_restart=before_restart, **kwargs)
     except DynspecError as exc:
@@ -288,11 +392,84 @@ def rolling(s: Any, *, operation: Operation, rotation: Rotation | None,
                             f"{rotation.router.url}") from exc
         raise
     if rotation.report.get("removed"):
+        _put_back(s, rotation, result)
+    result["router"] = rotation.report
+    return result
+
+
+def _put_back(s: Any, rotation: Rotation, result: dict[str, Any]) -> None:
+    try:
+        rotation.add_back(s)
+    except RouterError as exc:
+        raise RouterError(f"the server runs, but {exc}; {rotation.worker_url} is left OUT of "
+                          f"the router {rotation.router.url}") from exc
+    if rotation.resumed:
+        result["resumed_rotation"] = rotation.finished_line()
+
+
+def _without_router(s: Any, operation: Operation, observe_restart: BeforeRestart | None,
+                    kwargs: dict[str, Any]) -> dict[str, Any]:
+    """No ``--router``: only a rotation an earlier run left unfinished involves a router (its
+    server drains before the restart, and goes back once healthy)."""
+    taken: list[Rotation] = []
+
+    def before_restart(s: Any, server: ServerProcess, facts: Any) -> None:
+        if observe_restart is not None:
+            observe_restart(s, server, facts)
+        left = rotation_journal(facts)
+        if left is not None:
+            rotation = Rotation(RouterClient(left["router"]))
+            if rotation.resume(left, facts.state_dir):
+                taken.append(rotation)
+                rotation.before_restart(s, server)
+
+    try:
+        result = operation(s, before_restart=before_restart, **kwargs)
+    except DynspecError as exc:
+        if taken:
+            raise type(exc)(f"{exc}; {taken[0].worker_url} is left OUT of the router "
+                            f"{taken[0].router.url}") from exc
+        raise
+    rotation = taken[0] if taken else None
+    if rotation is None and not kwargs["dry_run"] and not result["plan"].refused:
+        rotation = _left_rotation(result)  # left out, and no restart this time
+    if rotation is not None:
+        _put_back(s, rotation, result)
+        result["router"] = rotation.report
+    elif kwargs["dry_run"] and result.get("router_rotation"):
+        result["router"] = {"would": "put the worker back (an earlier run left it out)",
+                            "resumed": result["router_rotation"]}
+    return result
+
+
+def status(s: Any) -> dict[str, Any]:
+    """``deploy.status``; a rotation an earlier run left unfinished is finished where its
+    server runs and answers: the worker goes back into the router (a pending restart stays
+    pending, for ``apply`` to do through the router)."""
+    result = deploy.status(s)
+    left = result.get("router_rotation")
+    if left is None:
+        return result
+    rotation = Rotation(RouterClient(left["router"]))
+    try:
+        out = rotation.resume(left, result.get("state_dir"))
+    except RouterError as exc:  # status reports; it does not fail on the router
+        result["router"] = {**rotation.report, "error": str(exc)}
+        return result
+    if not out:
+        with contextlib.suppress(DynspecError):
+            rotation.forget(s)  # stale: it is back already
+        result["router"] = rotation.report
+        return result
+    if result.get("run_in_progress"):
+        rotation.report["untouched"] = "another run is in progress on the host"
+    elif result.get("server_runs") is None:
+        rotation.report["untouched"] = "the server does not answer: apply puts it back"
+    else:
         try:
-            rotation.add_back()
-        except RouterError as exc:
-            raise RouterError(f"the server restarted and runs the new code, but {exc}; "
-                              f"{rotation.worker_url} is left OUT of the router "
-                              f"{rotation.router.url}") from exc
+            rotation.add_back(s)
+        except DynspecError as exc:
+            rotation.report["error"] = str(exc)
+        result["resumed_rotation"] = rotation.finished_line()
     result["router"] = rotation.report
     return result

@@ -20,6 +20,7 @@ import base64
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import shlex
@@ -40,6 +41,11 @@ from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
 from dynspec_patch.patcher.remote_agent import (
     BOOTSTRAP,  # the agent starts itself the same way in a container
 )
+
+# paramiko logs a refused direct-tcpip channel ("Secsh channel N open FAILED") at ERROR, which
+# Python's last-resort handler prints on stderr; every failure reaches the user as our own one
+# line instead. Only paramiko's logger is touched: an application's logging stays its own.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class ConnectError(DynspecError):

@@ -68,8 +68,10 @@ class HookEagleWorkerCommand(_WorkerHook):
 class HookEagleWorkerV2Command(_WorkerHook):
     """Make ``EAGLEWorkerV2`` ask ``maybe_fallback_v2`` first in ``forward_batch_generation``.
 
-    Refuses the beta V2 of 0.5.3.post2–post3 (a subclass of ``EAGLEWorker``) and the releases
-    whose V2 already has the native steps-0 path (``_build_trivial_verify_input``, 0.5.14+).
+    Every other parameter is passed on: ``on_publish`` (0.5.13+), ``grammar_barrier``
+    (0.5.17+), ``pp_proxy_tensors`` (0.5.19+). Refuses the beta V2 of 0.5.3.post2–post3 (a
+    subclass of ``EAGLEWorker``). ``native_steps_zero`` (``_build_trivial_verify_input``,
+    0.5.14+) marks the releases that also offer the native route.
     """
 
     NAME = "v2"
@@ -97,6 +99,4 @@ class HookEagleWorkerV2Command(_WorkerHook):
                 "EAGLEWorkerV2 here is the beta subclass of EAGLEWorker (0.5.3.post2–post3, "
                 "--enable-beta-spec); it is not patched. The default worker is v1: --worker v1"
             )
-        if facts.get("native_steps_zero"):
-            return "EAGLEWorkerV2 has the native steps-0 path; use the native route, not a patch"
         return None

@@ -16,9 +16,12 @@ from typing import Any
 
 from dynspec_patch.transforms.runtime.dynspec_fallback import (
     NEEDS_BY_VARIANT,
+    VERIFY_HELPER,
     Need,
     resolve_needs,
     tuple_return_arity,
+    v2_draft_tp_mode,
+    v2_grammar_mode,
 )
 
 Reader = Callable[[str], "str | None"]
@@ -31,7 +34,8 @@ V2_DRAFT_WORKER_CLASS = "EagleDraftWorker"
 TARGET_WORKER = ("srt/managers/tp_worker.py", "TpModelWorker", "forward_batch_generation")
 MODEL_RUNNER = ("srt/model_executor/model_runner.py", "ModelRunner")
 SCHEDULE_BATCH = ("srt/managers/schedule_batch.py", "ScheduleBatch")
-# Methods whose presence marks the native steps=0 path (0.5.14+): nothing to patch there.
+# The method whose presence marks SGLang's own steps-0 path (0.5.14+): the release also
+# offers the native route (``ProbeReport.native``).
 NATIVE_MARKER = "_build_trivial_verify_input"
 # Needs whose resolved spelling names the era the adapter will run in.
 ERA_KEYS = (
@@ -43,6 +47,9 @@ ERA_KEYS = (
     "gbr_stride",
     "gbr_new_seq_lens",
     "gbr_allocate_lens",
+    "sample_fn",
+    "logprob_fn",
+    "draft_tp_fn",
 )
 
 
@@ -166,15 +173,29 @@ class _Tree:
 
     def find_class(self, module: _Module, name: str, depth: int = 0) -> _ClassInfo | None:
         """Follow imports from ``module`` to the ClassDef bound as ``name``."""
+        found = self.find_definition(module, name, depth)
+        if found is not None and isinstance(found[1], ast.ClassDef):
+            return _ClassInfo(found[0].relpath, found[1], found[0])
+        return None
+
+    def find_definition(
+        self, module: _Module, name: str, depth: int = 0
+    ) -> tuple[_Module, ast.AST] | None:
+        """Follow imports from ``module`` to the def/class bound as ``name``: (module, node)."""
         node = module.bindings.get(name)
-        if isinstance(node, ast.ClassDef):
-            return _ClassInfo(module.relpath, node, module)
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            return module, node
         if isinstance(node, ast.ImportFrom) and depth < 8:
             source = self.module_for_import(module, node)
             original = next(a.name for a in node.names if (a.asname or a.name) == name)
             if source is not None:
-                return self.find_class(source, original, depth + 1)
+                return self.find_definition(source, original, depth + 1)
         return None
+
+    def module_of(self, module: _Module, name: str) -> _Module | None:
+        """The module an imported global ``name`` of ``module`` comes from (itself if defined)."""
+        found = self.find_definition(module, name)
+        return found[0] if found is not None else None
 
     def class_in(self, relpath: str, name: str) -> _ClassInfo | None:
         module = self.module(relpath)
@@ -254,6 +275,10 @@ class _StaticHas:
         self.worker_module = tree.module(self.worker_file)
         self.worker = tree.class_in(self.worker_file, worker_class)
         self.draft_worker = tree.class_in(self.worker_file, V2_DRAFT_WORKER_CLASS)
+        # The module holding the verify body: run_eagle_verify's (0.5.16+), else the worker's.
+        self.verify_module = self.worker_module
+        if self.worker_module is not None and VERIFY_HELPER in self.worker_module.bindings:
+            self.verify_module = tree.module_of(self.worker_module, VERIFY_HELPER)
         self.where: dict[str, str] = {}
 
     def _members(self, info: _ClassInfo | None) -> set[str]:
@@ -274,11 +299,31 @@ class _StaticHas:
                 merged.update(_own_fields(cls.node))
         return merged
 
+    def function_params(self, name: str) -> tuple[set[str], str] | None:
+        """Parameters of the function global ``name`` (verify module first), and its file."""
+        for module in (self.verify_module, self.worker_module):
+            found = self.tree.find_definition(module, name) if module is not None else None
+            if found is not None and isinstance(found[1], ast.FunctionDef | ast.AsyncFunctionDef):
+                return _params(found[1]), found[0].relpath  # type: ignore[arg-type]
+        return None
+
     def __call__(self, need: Need, name: str) -> bool:
         scope = need.scope
         found, where = False, self.worker_file
         if scope == "module":
             found = self.worker_module is not None and name in self.worker_module.bindings
+        elif scope == "verify_module":
+            module = self.verify_module
+            found = module is not None and name in module.bindings
+            where = module.relpath if module is not None else where
+        elif scope == "fn_param":
+            params = self.function_params(need.owner)
+            if params is not None:
+                found, where = name in params[0], params[1]
+        elif scope == "draft_param":
+            fn = _method(self.tree, self.draft_worker, need.owner) if self.draft_worker else None
+            found = fn is not None and name in _params(fn)
+            where = self.draft_worker.file if self.draft_worker else where
         elif scope in ("worker", "draft_worker"):
             info = self.worker if scope == "worker" else self.draft_worker
             found, where = name in self._members(info), info.file if info else where
@@ -395,6 +440,30 @@ def _contract_checks(
                     "",
                 )
             )
+        sampler = names.get("vi_sample") or names.get("sample_fn")
+        checks.append(
+            ProbeCheck(
+                "v2 sampler (EagleVerifyInput.sample | eagle_sample)",
+                has.verify_module.relpath if has.verify_module else has.worker_file,
+                sampler is not None,
+                f"found {sampler}" if sampler else "neither",
+            )
+        )
+        tp_mode = v2_draft_tp_mode(names)
+        checks.append(
+            ProbeCheck(
+                "v2 draft TP context", has.worker_file, tp_mode is not None, tp_mode or "none"
+            )
+        )
+        grammar = v2_grammar_mode(names)
+        checks.append(
+            ProbeCheck(
+                "v2 grammar mask (optional)",
+                has.worker_file,
+                True,
+                grammar or "none: grammar batches keep speculating",
+            )
+        )
     return checks
 
 

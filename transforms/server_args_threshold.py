@@ -1,10 +1,23 @@
-"""Add ``speculative_disable_batch_threshold`` to ``ServerArgs`` (layout S1, ≤ 0.5.13.post1)."""
+"""Add ``speculative_disable_batch_threshold`` (and its hysteresis knobs) to SGLang's ServerArgs.
+
+The layouts (``sglang-releases.md`` §1, "Where the speculative fields and flags sit"):
+
+- S1 (≤ 0.5.13.post1): plain dataclass fields, explicit ``parser.add_argument`` flags;
+- S2/S3 (0.5.14 – 0.5.19): ``name: A[T, "help"(, NS("spec"))] = default`` fields in
+  ``server_args.py``, flags generated from the annotations (``add_cli_args_from_dataclass``);
+- S4 (0.5.20+): the fields live in ``arg_groups/fields/spec.py`` (``class Spec``), which
+  ``server_args.py`` assembles into a msgspec ``ServerArgs``; flags generated as in S2.
+
+The checks always open ``ServerArgs._handle_speculative_decoding`` (0.5.3 – 0.5.12.post1) or
+``ServerArgs.__post_init__``: they validate the raw input, before any resolution.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import libcst as cst
+import libcst.matchers as m
 
 from dynspec_patch.transforms.statements import (
     AnchorMissing,
@@ -18,6 +31,9 @@ from dynspec_patch.transforms.statements import (
 
 FIELD_ANCHOR = "speculative_num_draft_tokens"
 FLAG_ANCHOR = "--speculative-num-draft-tokens"
+GENERATED_FLAGS = "add_cli_args_from_dataclass"  # S2+: flags come from the field annotations
+NAMESPACES_LIST = "_INPUT_NAMESPACES"  # S4: the namespace classes ServerArgs is built from
+SPEC_NAMESPACE = "Spec"
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,89 @@ def _is_field(statement: cst.BaseStatement, name: str) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _FieldStyle:
+    """How the anchor field is declared: plain, or ``A[T, "help"(, NS(...))]``."""
+
+    annotated: bool
+    namespace: str | None = None  # the anchor's ``NS("spec")`` element, as source
+
+    @classmethod
+    def of(cls, module: cst.Module, anchor: cst.SimpleStatementLine) -> _FieldStyle:
+        annotation = anchor.body[0].annotation.annotation  # type: ignore[attr-defined]
+        if not (
+            isinstance(annotation, cst.Subscript)
+            and isinstance(annotation.value, cst.Name)
+            and annotation.value.value == "A"
+        ):
+            return cls(annotated=False)
+        for element in annotation.slice:
+            value = getattr(element.slice, "value", None)
+            if (
+                isinstance(value, cst.Call)
+                and isinstance(value.func, cst.Name)
+                and value.func.value == "NS"
+            ):
+                return cls(annotated=True, namespace=module.code_for_node(value))
+        return cls(annotated=True)
+
+    def declaration(self, arg: ServerArg) -> str:
+        if not self.annotated:
+            return f"{arg.field}: {arg.annotation} = {arg.default}"
+        namespace = f"    {self.namespace},\n" if self.namespace else ""
+        return (
+            f"{arg.field}: A[\n"
+            f"    {arg.annotation},\n"
+            f'    "{arg.help}",\n'
+            f"{namespace}"
+            f"] = {arg.default}"
+        )
+
+
+def field_insertions(module: cst.Module, class_name: str) -> tuple[list[Insertion], _FieldStyle]:
+    """The three fields, after the anchor field of ``class_name``, in the anchor's style."""
+    class_index, cls = find_class(module, class_name)
+    if not _has_optional(module):
+        raise AnchorMissing(f"{class_name}'s module does not import typing.Optional")
+    field_index = next(
+        (i for i, stmt in enumerate(cls.body.body) if _is_field(stmt, FIELD_ANCHOR)), None
+    )
+    if field_index is None:
+        raise AnchorMissing(f"{class_name} has no field {FIELD_ANCHOR}")
+    style = _FieldStyle.of(module, cls.body.body[field_index])  # type: ignore[arg-type]
+    insertions = [
+        Insertion((class_index,), field_index + 1, style.declaration(arg)) for arg in SERVER_ARGS
+    ]
+    return insertions, style
+
+
+def _calls(node: cst.CSTNode, name: str) -> bool:
+    """Whether ``node`` contains a call to the plain name ``name``."""
+    return bool(m.findall(node, m.Call(func=m.Name(name))))
+
+
+def _lists_spec_namespace(module: cst.Module) -> bool:
+    """S4: ``_INPUT_NAMESPACES = [..., Spec, ...]`` at module level."""
+    for statement in module.body:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            continue
+        for small in statement.body:
+            if (
+                isinstance(small, cst.Assign)
+                and any(
+                    isinstance(t.target, cst.Name) and t.target.value == NAMESPACES_LIST
+                    for t in small.targets
+                )
+                and isinstance(small.value, cst.List)
+                and any(
+                    isinstance(e.value, cst.Name) and e.value.value == SPEC_NAMESPACE
+                    for e in small.value.elements
+                )
+            ):
+                return True
+    return False
+
+
 def _add_argument_receiver(statement: cst.BaseStatement, flag: str) -> str | None:
     """``parser`` if ``statement`` is ``parser.add_argument("<flag>", ...)``, else None."""
     if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
@@ -129,59 +228,87 @@ def _has_optional(module: cst.Module) -> bool:
 
 
 class AddDisableThresholdArgCommand(MarkedInsertionCodemod):
-    """Add the threshold (and its hysteresis knobs) as fields, CLI flags and checks.
+    """Add the threshold (and its hysteresis knobs) as ServerArgs fields, flags and checks.
 
-    The fields go after ``speculative_num_draft_tokens``, the flags after
-    ``--speculative-num-draft-tokens`` in ``add_cli_args``; the checks open
-    ``_handle_speculative_decoding`` (0.5.3+) or ``__post_init__`` (older). Up to 0.5.12.post1
-    ``from_cli_args`` reads every field from argparse, so field and flag always go together.
-    Refuses layouts where flags are generated from annotations (0.5.14+, S2–S4).
+    S1: the fields go after ``speculative_num_draft_tokens``, the flags after
+    ``--speculative-num-draft-tokens`` in ``add_cli_args`` (up to 0.5.12.post1 ``from_cli_args``
+    reads every field from argparse, so field and flag always go together). S2/S3: the fields in
+    the anchor's ``A[...]`` style, and no flags (they are generated). S4: only the checks here;
+    ``AddDisableThresholdSpecFieldsCommand`` adds the fields to ``arg_groups/fields/spec.py``.
+    The checks open ``_handle_speculative_decoding`` (0.5.3 – 0.5.12.post1) or
+    ``__post_init__``.
     """
 
     NAME = "server_args"
-    DESCRIPTION = "ServerArgs fields and CLI flags speculative_disable_*"
+    DESCRIPTION = "ServerArgs fields, CLI flags and checks speculative_disable_*"
     PATH = "srt/server_args.py"
+
+    def facts(self, module: cst.Module) -> dict[str, object]:
+        return {"fields_in_spec_namespace": _lists_spec_namespace(module)}
 
     def insertions(self, module: cst.Module) -> list[Insertion]:
         class_index, cls = find_class(module, "ServerArgs")
-        if not _has_optional(module):
-            raise AnchorMissing("server_args.py does not import typing.Optional")
-        field_index = next(
-            (i for i, stmt in enumerate(cls.body.body) if _is_field(stmt, FIELD_ANCHOR)), None
-        )
-        if field_index is None:
-            raise AnchorMissing(f"ServerArgs has no plain field {FIELD_ANCHOR}")
         cli_index, cli = find_method(cls, ["add_cli_args"])
-        flag = _find_flag(cli.body, (class_index, cli_index))
-        if flag is None:
-            raise AnchorMissing(f"add_cli_args has no parser.add_argument({FLAG_ANCHOR!r}, ...)")
-        flag_path, flag_index, parser = flag
+        generated = _calls(cli, GENERATED_FLAGS)
+        has_field = any(_is_field(stmt, FIELD_ANCHOR) for stmt in cls.body.body)
+        insertions: list[Insertion] = []
+        if has_field:
+            insertions, style = field_insertions(module, "ServerArgs")
+            flag = _find_flag(cli.body, (class_index, cli_index))
+            if flag is not None and style.annotated:
+                raise AnchorMissing(f"annotated fields and an explicit {FLAG_ANCHOR} flag")
+            if flag is None and not (style.annotated and generated):
+                raise AnchorMissing(
+                    f"add_cli_args has no parser.add_argument({FLAG_ANCHOR!r}, ...)"
+                )
+            if flag is not None:
+                insertions += self._flags(*flag)
+        elif not (generated and _lists_spec_namespace(module)):
+            raise AnchorMissing(f"ServerArgs has no field {FIELD_ANCHOR}")
         check_index, check = find_method(cls, ["_handle_speculative_decoding", "__post_init__"])
         check_block, check_at = (class_index, check_index), first_statement_index(check.body)
-        insertions = []
         for arg in SERVER_ARGS:
             message = f"{arg.flag} {arg.requirement}, got {{self.{arg.field}}}"
-            insertions += [
-                Insertion(
-                    (class_index,),
-                    field_index + 1,
-                    f"{arg.field}: {arg.annotation} = {arg.default}",
-                ),
-                Insertion(
-                    flag_path,
-                    flag_index + 1,
-                    f"{parser}.add_argument(\n"
-                    f'    "{arg.flag}",\n'
-                    "    type=int,\n"
-                    f"    default=ServerArgs.{arg.field},\n"
-                    f'    help="{arg.help}",\n'
-                    ")",
-                ),
+            insertions.append(
                 Insertion(
                     check_block,
                     check_at,
                     f"if {arg.invalid_if}:\n"
                     f'    raise ValueError(f"{message}")',
-                ),
-            ]
+                )
+            )
+        return insertions
+
+    @staticmethod
+    def _flags(flag_path: tuple[int, ...], flag_index: int, parser: str) -> list[Insertion]:
+        return [
+            Insertion(
+                flag_path,
+                flag_index + 1,
+                f"{parser}.add_argument(\n"
+                f'    "{arg.flag}",\n'
+                "    type=int,\n"
+                f"    default=ServerArgs.{arg.field},\n"
+                f'    help="{arg.help}",\n'
+                ")",
+            )
+            for arg in SERVER_ARGS
+        ]
+
+
+class AddDisableThresholdSpecFieldsCommand(MarkedInsertionCodemod):
+    """S4 (0.5.20+): the three fields in ``class Spec`` of ``arg_groups/fields/spec.py``.
+
+    ``server_args.py`` builds ``ServerArgs`` from the namespace classes, so the fields (and
+    their generated flags) come from here; ``AddDisableThresholdArgCommand`` adds the checks.
+    """
+
+    NAME = "spec_fields"
+    DESCRIPTION = "Spec namespace fields speculative_disable_* (SGLang 0.5.20+)"
+    PATH = "srt/arg_groups/fields/spec.py"
+
+    def insertions(self, module: cst.Module) -> list[Insertion]:
+        insertions, style = field_insertions(module, SPEC_NAMESPACE)
+        if not style.annotated:
+            raise AnchorMissing(f"{SPEC_NAMESPACE}.{FIELD_ANCHOR} is not declared as A[...]")
         return insertions

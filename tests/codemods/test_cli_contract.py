@@ -33,7 +33,8 @@ def _sources(package: Path) -> dict[str, bytes]:
 def test_revert_on_the_native_route_removes_the_config_it_wrote(scratch, capsys):
     package = scratch(find_pin("0.5.23"))
     before = _sources(package)
-    assert run(["apply", "--sglang-root", str(package), "--threshold", "8"]) == 0
+    argv = ["apply", "--sglang-root", str(package), "--route", "native", "--threshold", "8"]
+    assert run(argv) == 0
     config = local.native_config_path(package)
     assert config.exists()
     capsys.readouterr()
@@ -100,10 +101,14 @@ def test_native_route_refuses_servers_where_adaptive_switches_itself_off(
     server_args, argv, reason
 ):
     snapshot = local.read_snapshot(release_dir(find_pin("0.5.16")))
-    plan = plan_apply(snapshot, threshold=8, server_args=server_args, server_argv=argv)
+    plan = plan_apply(
+        snapshot, threshold=8, server_args=server_args, server_argv=argv, route="native"
+    )
     assert plan.refused and reason in plan.refusal_reason
     assert "nothing was written" in plan.refusal_reason
-    fine = plan_apply(snapshot, threshold=8, server_args={"speculative_eagle_topk": 1})
+    fine = plan_apply(
+        snapshot, threshold=8, server_args={"speculative_eagle_topk": 1}, route="native"
+    )
     assert not fine.refused
 
 
@@ -171,7 +176,9 @@ def test_an_os_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
         (["apply", "--sglang-root", "/nonexistent"], 2),
         (["status", "--host", "bad:port"], 2),
         (["fetch", "9.9.9", "--dest", "/tmp"], 2),
-        (["probe", "--sglang-root", "{v0523}"], 3),
+        (["probe", "--sglang-root", "{v0434}"], 3),
+        (["apply", "--sglang-root", "{v0510}", "--route", "native"], 3),
+        (["apply", "--sglang-root", "{v0510}", "--route", "steps0"], 2),
         (["apply", "--sglang-root", "{v0434}"], 3),
         (["status", "--sglang-root", "{v0510}"], 0),
     ],
@@ -189,6 +196,22 @@ def test_json_prints_one_object_on_every_exit(argv, code):
     if code:
         assert data["exit_code"] == code and data["error"]
         assert done.stderr.count("\n") == 1
+
+
+def test_json_prints_one_object_on_an_internal_error(scratch, monkeypatch, capsys):
+    """A bug (an exception nobody expects) still ends in one object, and the traceback."""
+    package = scratch(find_pin("0.5.10.post1"))
+
+    def broken_manifest_reader(_package):
+        raise KeyError("sha256_after")  # what a bug in manifest handling would raise
+
+    monkeypatch.setattr(local, "read_manifest", broken_manifest_reader)
+    capsys.readouterr()
+    assert run(["status", "--sglang-root", str(package), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"error": "internal error: KeyError: 'sha256_after'",
+                                        "exit_code": 1}
+    assert "Traceback" in captured.err and "broken_manifest_reader" in captured.err
 
 
 def test_version_help_examples_and_completion():

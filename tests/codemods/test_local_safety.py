@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,40 @@ def test_a_second_run_is_refused_while_one_holds_the_lock(release, capsys):
         code, out = _json_run(capsys, "status", "--sglang-root", str(release))
         assert code == 0 and out["run_in_progress"].startswith("pid 4242")
     assert run(["apply", "--sglang-root", str(release)]) == 0
+
+
+# The tool's own lock (``local.locked``, what every writing command holds) in a process of its
+# own, until the test closes its stdin.
+HOLD_THE_LOCK = """
+import sys
+from pathlib import Path
+from dynspec_patch.patcher import local
+with local.locked(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_the_tool_holds_the_lock_exclusively_against_a_second_real_run(release, capsys):
+    """Both sides are the tool: a holder through ``local.locked`` in its own process and a
+    real ``apply`` process. A shared lock would let both through."""
+    before = _sources(release)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(release)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        second = run_cli("apply", "--sglang-root", str(release))
+        assert second.returncode == 3, second.stderr
+        assert f"another dynspec-patch run holds {local.state_dir(release) / 'lock'}" in (
+            second.stderr)
+        assert f"(pid {holder.pid} user " in second.stderr
+        assert _sources(release) == before
+        code, out = _json_run(capsys, "status", "--sglang-root", str(release))
+        assert code == 0 and out["run_in_progress"].startswith(f"pid {holder.pid} ")
+    finally:
+        holder.communicate("", timeout=30)
+    assert holder.returncode == 0
+    assert run_cli("apply", "--sglang-root", str(release)).returncode == 0
 
 
 def test_kill_between_two_renames_is_finished_by_the_next_run(release, capsys):
@@ -176,9 +212,9 @@ def test_status_checks_the_manifest_hashes_not_only_the_markers(release, capsys)
     target.write_bytes(target.read_bytes() + b"# edited after apply\n")
     code, out = _json_run(capsys, "status", "--sglang-root", str(release))
     assert code == 0
-    assert [f["state_before"] for f in out["files"] if f["path"] == SERVER_ARGS] == ["patched"]
+    assert [f["state_before"] for f in out["files"] if f["path"] == SERVER_ARGS] == ["unknown"]
     assert out["tree_state"] == "mixed"
-    assert any(SERVER_ARGS in p and "neither" in p for p in out["problems"])
+    assert any(SERVER_ARGS in p and "manifest" in p for p in out["problems"])
 
 
 def _restamp(package: Path, old: str, new: str) -> None:
@@ -248,3 +284,35 @@ def test_a_file_libcst_cannot_reproduce_exactly_is_refused(release, capsys):
     assert run(["apply", "--sglang-root", str(release)]) == 3
     assert "cannot reproduce this file byte for byte" in capsys.readouterr().err
     assert _sources(release) == before
+
+
+def test_an_unknown_file_in_a_tree_without_manifest_makes_the_tree_unknown(release, capsys):
+    """No manifest (never patched here, or by a tool that kept none): the files alone decide."""
+    target = release / SERVER_ARGS
+    target.write_text(target.read_text().replace('"--speculative-num-draft-tokens"',
+                                                 '"--renamed-by-a-fork"'))
+    assert not local.state_dir(release).exists()
+    code, out = _json_run(capsys, "status", "--sglang-root", str(release))
+    assert code == 0
+    assert {f["path"]: f["state_before"] for f in out["files"]}[SERVER_ARGS] == "unknown"
+    assert out["tree_state"] == "unknown"
+    assert any(p.startswith(f"{SERVER_ARGS}: ") for p in out["problems"])
+
+
+def test_reapply_over_a_hand_edited_patched_file_is_refused_by_the_manifest_hash(
+    release, capsys
+):
+    """The edit keeps every marker and hook, so only the manifest's sha256 can see it."""
+    assert run(["apply", "--sglang-root", str(release)]) == 0
+    target = release / SERVER_ARGS
+    target.write_bytes(target.read_bytes() + b"# an operator's hot-fix after apply\n")
+    before = _sources(release)
+    manifest = (local.state_dir(release) / "manifest.json").read_bytes()
+    code, out = _json_run(capsys, "apply", "--sglang-root", str(release))
+    assert code == 3 and out["exit_code"] == 3 and out["refused"] is True
+    refused = {f["path"]: f for f in out["files"] if f["action"] == "refused"}
+    assert list(refused) == [SERVER_ARGS]
+    assert refused[SERVER_ARGS]["state_before"] == "unknown"
+    assert "sha256 differs from the manifest" in refused[SERVER_ARGS]["reason"]
+    assert _sources(release) == before
+    assert (local.state_dir(release) / "manifest.json").read_bytes() == manifest

@@ -141,7 +141,8 @@ def test_pin_with_a_wrong_hash_is_not_served_from_cache(tmp_path, monkeypatch):
 def test_probe_command_exit_codes(scratch, capsys):
     package = scratch(find_pin("0.5.10.post1"))
     assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.5.10.post1")))]) == 0
-    assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.5.23")))]) == 3
+    assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.5.23")))]) == 0
+    assert run(["probe", "--sglang-root", str(release_dir(find_pin("0.4.3.post4")))]) == 3
     info = package.parent / "full"
     shutil.copytree(release_dir(find_pin("0.5.10.post1")), info / "sglang")
     eagle_info = info / "sglang" / "srt" / "speculative" / "eagle_info.py"

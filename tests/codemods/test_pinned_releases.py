@@ -9,16 +9,19 @@ from pathlib import Path
 import pytest
 
 from dynspec_patch.patcher.cli import run
+from dynspec_patch.patcher.engine import version_key
 from dynspec_patch.patcher.releases import Pin, load_pins, release_dir
 from dynspec_patch.transforms.markers import TOOL_VERSION, marker_comment
 
 PINS = load_pins()
 PATCHABLE = [pin for pin in PINS if pin.route == "patch"]
-NATIVE = [pin for pin in PINS if pin.route == "native"]
+# SGLang 0.5.14+ also offer the native route (--route native).
+NATIVE = [pin for pin in PINS if version_key(pin.version) >= version_key("0.5.14")]
 UNSUPPORTED = [pin for pin in PINS if pin.route == "unsupported"]
 WORKER_FILES = {"v1": "srt/speculative/eagle_worker.py", "v2": "srt/speculative/eagle_worker_v2.py"}
 RUNTIME = "srt/speculative/dynspec_fallback.py"
 SERVER_ARGS = "srt/server_args.py"
+SPEC_FIELDS = "srt/arg_groups/fields/spec.py"  # 0.5.20+: the Spec namespace holds the fields
 
 
 def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
@@ -55,17 +58,36 @@ NEW_FIELDS = {
 }
 
 
-def assert_server_args_patched(source: str) -> None:
-    tree = ast.parse(source)
+def assert_server_args_patched(package: Path) -> None:
+    """Fields (in the anchor's layout), flags (explicit or generated) and checks are there."""
+    tree = ast.parse((package / SERVER_ARGS).read_text())
     body = class_body(tree, "ServerArgs")
-    fields = {n.target.id: n for n in body if isinstance(n, ast.AnnAssign)}
     cli = method(body, ("add_cli_args",))
     check = ast.unparse(method(body, ("_handle_speculative_decoding", "__post_init__")))
+    if (package / SPEC_FIELDS).exists():  # S4: the fields sit in class Spec
+        fields_body = class_body(ast.parse((package / SPEC_FIELDS).read_text()), "Spec")
+    else:
+        fields_body = body
+    fields = {n.target.id: n for n in fields_body if isinstance(n, ast.AnnAssign)}
+    anchor = ast.unparse(fields["speculative_num_draft_tokens"].annotation)
+    generated = "add_cli_args_from_dataclass(" in ast.unparse(cli)
     for name, (annotation, default) in NEW_FIELDS.items():
         field = fields[name]
-        assert ast.unparse(field.annotation) == annotation
+        if anchor.startswith("A["):  # S2+: A[T, "help"(, NS(...))], as the anchor is
+            declared = field.annotation
+            assert isinstance(declared, ast.Subscript) and ast.unparse(declared.value) == "A"
+            elements = declared.slice.elts  # type: ignore[attr-defined]
+            assert ast.unparse(elements[0]) == annotation
+            assert isinstance(elements[1], ast.Constant) and elements[1].value
+            assert ("NS('spec')" in anchor) == ("NS('spec')" in ast.unparse(declared))
+        else:
+            assert ast.unparse(field.annotation) == annotation
         assert isinstance(field.value, ast.Constant) and field.value.value == default
         flag = "--" + name.replace("_", "-")
+        assert f"raise ValueError(f'{flag} " in check
+        if anchor.startswith("A["):
+            assert generated and flag not in ast.unparse(cli)  # generated from the field
+            continue
         calls = [
             node
             for node in ast.walk(cli)
@@ -79,7 +101,6 @@ def assert_server_args_patched(source: str) -> None:
         assert keywords["type"] == "int"
         assert keywords["default"] == f"ServerArgs.{name}"
         assert "help" in keywords
-        assert f"raise ValueError(f'{flag} " in check
     assert "speculative_disable_batch_threshold < 1" in check
 
 
@@ -119,13 +140,15 @@ def test_apply_patches_every_expected_file(pin, scratch, capsys):
     actions = {f["path"]: f["action"] for f in result["files"]}
     expected = {RUNTIME: "added", SERVER_ARGS: "patched"}
     expected |= {WORKER_FILES[w]: "patched" for w in pin.workers}
+    if (package / SPEC_FIELDS).exists():
+        expected[SPEC_FIELDS] = "patched"
     for path, action in expected.items():
         assert actions[path] == action
         data = (package / path).read_bytes()
         assert data != originals.get(path)
         compile(data, path, "exec")
         assert marker_comment(TOOL_VERSION).encode() in data
-    assert_server_args_patched((package / SERVER_ARGS).read_text())
+    assert_server_args_patched(package)
     if "v1" in pin.workers:
         assert_hooked(
             (package / WORKER_FILES["v1"]).read_text(), "EAGLEWorker", "maybe_fallback_v1"
@@ -212,17 +235,27 @@ def test_native_release_gets_flags_and_config_not_a_patch(pin, scratch, snapshot
     package = scratch(pin)
     before = snapshot_tree(package)
     code, result = cli_json(
-        capsys, "apply", "--sglang-root", str(package), "--threshold", "16", "--num-steps", "3"
+        capsys,
+        "apply",
+        "--sglang-root",
+        str(package),
+        "--route",
+        "native",
+        "--threshold",
+        "16",
+        "--num-steps",
+        "3",
     )
     assert code == 0, result
-    assert result["route"] == "native"
+    assert result["route"] == "native" and result["routes"] == ["patch", "native"]
     native = result["native"]
     assert native["flags"][:2] == ["--speculative-adaptive", "--speculative-adaptive-config"]
     assert native["config"] == {"1": {"candidate_steps": [3]}, "17": {"candidate_steps": [0]}}
     written = json.loads(Path(native["flags"][2]).read_text())
     assert written == native["config"]
     assert snapshot_tree(package) == before  # no source change
-    assert cli_json(capsys, "apply", "--sglang-root", str(package))[0] == 2  # needs --threshold
+    needs_threshold = cli_json(capsys, "apply", "--sglang-root", str(package), "--route", "native")
+    assert needs_threshold[0] == 2
 
 
 def test_hand_edited_patched_file_is_unknown_and_refused(scratch, snapshot_tree, capsys):

@@ -3,6 +3,12 @@ input gets its own entry; a damaged entry is planned again; native plans are not
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
 import pytest
 
 from dynspec_patch.patcher import engine, local, plan_cache
@@ -54,6 +60,45 @@ def test_every_input_has_its_own_entry_and_a_damaged_one_is_replanned(cache):
 
 def test_native_plans_are_not_stored(cache):
     snap = snapshot("0.5.16")
-    plan = plan_cache.plan_apply(snap, threshold=8, native_config_path="/srv/a/cfg.json")
+    plan = plan_cache.plan_apply(
+        snap, threshold=8, native_config_path="/srv/a/cfg.json", route="native"
+    )
     assert plan.route == "native" and plan.native is not None
     assert not list(cache.glob("*.json"))
+
+
+def _digest_of(package_copy: Path) -> tuple[str, str]:
+    """(plan_cache's file, its code digest) in a fresh interpreter that imports the
+    ``dynspec_patch`` at ``package_copy`` (its parent first on sys.path)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from dynspec_patch.patcher import plan_cache; "
+            "print(plan_cache.__file__); print(plan_cache._code_digest())")
+    run = subprocess.run([sys.executable, "-I", "-c", code, str(package_copy.parent)],
+                         capture_output=True, text=True, check=False, cwd=package_copy.parent)
+    assert run.returncode == 0, run.stderr
+    where, digest = run.stdout.split()
+    return where, digest
+
+
+def test_the_code_digest_covers_the_installed_planning_code_wherever_it_is_installed(tmp_path):
+    """Issue 13: the digest named the packages from before the rename, so every plan of an
+    installed dynspec-patch (every ``apply --host``) died with ModuleNotFoundError."""
+    installed = Path(str(resources.files("dynspec_patch.patcher"))).parent
+    copies = []
+    for name in ("a", "b"):
+        copy = tmp_path / name / "dynspec_patch"
+        shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        copies.append(copy)
+    a, b = copies
+    where, digest = _digest_of(a)
+    assert Path(where).is_relative_to(a)  # the copy, not the installed package, was imported
+    assert _digest_of(b)[1] == digest == plan_cache._code_digest()  # same code, same key
+    with (b / "patcher" / "cli.py").open("a") as cli:
+        cli.write("\n# not planning code\n")
+    assert _digest_of(b)[1] == digest
+    for planning in ("patcher/engine.py", "patcher/manifest.py", "transforms/runtime/x.py"):
+        with (b / planning).open("a") as code:
+            code.write("\n# changed\n")
+        changed = _digest_of(b)[1]
+        assert changed != digest, planning
+        digest = changed

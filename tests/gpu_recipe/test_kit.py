@@ -8,11 +8,14 @@ crafted target would, and against one that drops a token mid-stream.
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -148,3 +151,91 @@ def test_kit_talks_only_to_loopback():
 
 def test_run_sh_parses():
     subprocess.run(["bash", "-n", str(KIT / "scripts" / "run.sh")], check=True)
+
+
+class SweepStub(BaseHTTPRequestHandler):
+    """A stand-in SGLang server for client.py and profile_steps.py: /generate answers after a
+    short delay with max_new_tokens ids, /start_profile writes a canned GPU trace (or none)."""
+
+    write_trace = True
+    kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._reply({"speculative_algorithm": None, "version": "stub"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/start_profile":
+            if self.write_trace:
+                events = [
+                    {"ph": "X", "cat": "kernel", "name": n, "ts": t0, "dur": t1 - t0}
+                    for n, t0, t1 in self.kernels
+                ]
+                events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99})
+                path = Path(body["output_dir"]) / "stub-TP-0.trace.json.gz"
+                with gzip.open(path, "wt") as f:
+                    json.dump({"traceEvents": events}, f)
+            self._reply({"success": True})
+            return
+        time.sleep(0.02)
+        n = body["sampling_params"]["max_new_tokens"]
+        self._reply({"output_ids": [5] * n, "meta_info": {"completion_tokens": n}})
+
+
+@pytest.fixture
+def stub_url() -> Iterator[str]:
+    server = _Server(("127.0.0.1", 0), SweepStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    SweepStub.write_trace = True
+
+
+def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
+           "--levels", "1,4", "--greedy", "1", "--olen", "8", "--duration", "0.5", "--repeats", "2"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    levels = json.loads(out.read_text())["levels"]
+    assert [(d["concurrency"], d["repeat"]) for d in levels] == [(1, 0), (1, 1), (4, 0), (4, 1)]
+    for d in levels:
+        assert d["wall_s"] >= 0.5
+        # a closed loop: every client sent its next request until the time was up (20 ms each)
+        assert d["requests"] >= 10 * d["concurrency"], d
+        assert d["output_tokens"] == 8 * d["requests"]
+
+
+def run_profile(url: str, tmp_path: Path) -> dict:
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), url, str(tmp_path), "p",
+           "--concurrency", "2", "--steps", "5", "--settle", "0.1"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    return json.loads((tmp_path / "p.profile.json").read_text())
+
+
+def test_profile_reads_gpu_busy_time_and_top_kernels(stub_url, tmp_path):
+    report = run_profile(stub_url, tmp_path)
+    # kernels [0,10] and [5,15] overlap: busy 15 + 10 = 25 us of a 30 us span; CPU ops ignored
+    assert report["gpu_busy_fraction"] == round(25 / 30, 3)
+    assert report["wall_ms_per_step"] == round(0.030 / 5, 3)
+    assert [(k["name"], k["calls"]) for k in report["top_kernels"]] == [("gemm", 2), ("attn", 1)]
+
+
+def test_profile_without_a_trace_says_so(stub_url, tmp_path):
+    SweepStub.write_trace = False
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "p", "--concurrency", "1", "--steps", "5", "--settle", "0.1"]
+    env = dict(os.environ, PROFILE_WAIT_S="1")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=env)
+    report = json.loads((tmp_path / "p.profile.json").read_text())
+    assert "no trace written" in report["error"]

@@ -268,11 +268,11 @@ class Fleet:
         self.hosts += hosts
         return hosts
 
-    def router(self, hosts: list):
+    def router(self, hosts: list, options: tuple[str, ...] = ()):
         import fleet_harness
 
         router = fleet_harness.Router.start(hosts[0].root.parent,
-                                            [h.worker_url for h in hosts])
+                                            [h.worker_url for h in hosts], options=options)
         self.routers.append(router)
         return router
 

@@ -146,7 +146,7 @@ def ansible_playbook(workdir: Path, inventory: Path, *args: str,
            "ANSIBLE_COLLECTIONS_PATH": str(ROOT), "ANSIBLE_HOME": str(workdir / "ansible-home"),
            "ANSIBLE_LOCAL_TEMP": str(workdir / "ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_DEPRECATION_WARNINGS": "0",
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     return subprocess.run([_bin("ansible-playbook"), "-i", str(inventory), *args],
                           cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
@@ -174,7 +174,9 @@ class Router:
     log: Path
 
     @classmethod
-    def start(cls, workdir: Path, workers: list[str], timeout: float = 60) -> Router:
+    def start(cls, workdir: Path, workers: list[str], timeout: float = 60,
+              options: tuple[str, ...] = ()) -> Router:
+        """``options``: more ``sglang-router launch`` options (its health checks, say)."""
         port, metrics = harness.free_port(), harness.free_port()
         log = workdir / "router.log"
         out = open(log, "wb")  # noqa: SIM115 - handed to the child
@@ -182,7 +184,7 @@ class Router:
             [_bin("sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
              "--policy", "round_robin", "--disable-retries", "--log-level", "warn",
-             "--worker-urls", *workers],
+             *options, "--worker-urls", *workers],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
         out.close()
@@ -205,6 +207,11 @@ class Router:
         except (OSError, ValueError, KeyError):
             return None
 
+    def health(self) -> dict[str, bool] | None:
+        """Every listed worker's URL and whether the router counts it healthy."""
+        listed = self.workers()
+        return None if listed is None else {w["url"]: bool(w.get("is_healthy")) for w in listed}
+
     def healthy_workers(self) -> set[str] | None:
         listed = self.workers()
         return None if listed is None else {w["url"] for w in listed if w.get("is_healthy")}
@@ -225,7 +232,8 @@ class LoadReport:
     ok: int = 0
     failed: int = 0
     reasons: Counter = field(default_factory=Counter)
-    answered_by: Counter = field(default_factory=Counter)  # server pid -> requests
+    # (server port, server pid) -> requests: each host's PIDs are its own namespace's
+    answered_by: Counter = field(default_factory=Counter)
     seconds: float = 0.0
 
 
@@ -252,17 +260,18 @@ class Load:
         try:
             with urllib.request.urlopen(request, timeout=30) as resp:
                 answer = json.loads(resp.read())
-            pid, reason = answer.get("meta_info", {}).get("fake_pid"), None
+            meta = answer.get("meta_info", {})
+            server, reason = (meta.get("fake_port"), meta.get("fake_pid")), None
             if "text" not in answer:
                 reason = "no text in the answer"
         except urllib.error.HTTPError as exc:
-            pid, reason = None, f"HTTP {exc.code}"
+            server, reason = None, f"HTTP {exc.code}"
         except (OSError, ValueError) as exc:
-            pid, reason = None, type(exc).__name__
+            server, reason = None, type(exc).__name__
         with self._lock:
             if reason is None:
                 self.report.ok += 1
-                self.report.answered_by[pid] += 1
+                self.report.answered_by[server] += 1
             else:
                 self.report.failed += 1
                 self.report.reasons[reason] += 1

@@ -201,6 +201,14 @@ class FakeServer:
     ns_init: int = 0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def address(self) -> str:
+        """Where it listens: its ``--host`` (the fake server's default is 127.0.0.1)."""
+        for i, arg in enumerate(self.argv):
+            if arg == "--host" and i + 1 < len(self.argv):
+                return self.argv[i + 1]
+        return "127.0.0.1"
+
     def start(self) -> FakeServer:
         """Start inside the sshd's PID namespace, like a server that runs on that host."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +242,8 @@ class FakeServer:
 
     def get(self, path: str) -> tuple[int | None, bytes]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{self.address}:{self.port}{path}",
+                                        timeout=2) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()

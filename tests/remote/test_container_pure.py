@@ -57,6 +57,9 @@ def test_durability_from_the_containers_layer():
     assert container.durability(in_image, pkg, files).startswith("durable")
     assert container.durability(in_image, pkg, []) == "nothing is patched"
     assert container.durability({**C, "layer_changes": None}, pkg, files).startswith("unknown")
+    both = ["srt/server_args.py", "srt/speculative/eagle_worker_v2.py"]
+    part = {**C, "layer_changes": [{"change": "C", "path": f"{pkg}/{both[1]}"}]}
+    assert container.durability(part, pkg, both).startswith("container layer only")
 
 
 @pytest.mark.parametrize("tag", ["", " x", "a b", "-x"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 from fleet_harness import Load, ansible_playbook, recap, write_inventory
 from remote_harness import tree_bytes
@@ -99,6 +100,40 @@ def test_check_mode_diff_then_apply_then_nothing_to_do(fleet):
         assert THRESHOLD not in h.server.info()
 
 
+def test_a_host_key_missing_from_known_hosts_fails_unless_host_key_checking_is_off(
+        fleet, monkeypatch):
+    """Ansible's ``host_key_checking`` (on by default) decides: on, a host whose key is not in
+    its known_hosts fails and nothing is added or written; off, the key is added (as
+    OpenSSH's accept-new does) and the play goes on."""
+    (host,) = fleet(1)
+    workdir = host.root.parent
+    known = workdir / "known_hosts"
+    known.write_text("")
+    host_vars = {**host.inventory_vars(),
+                 "ansible_ssh_common_args": f"-o UserKnownHostsFile={known}"}
+    inventory = workdir / "inventory.json"
+    inventory.write_text(json.dumps({"sglang": {"hosts": {host.name: host_vars}}}))
+    before = tree_bytes(host.package)
+    logins = host.sshd.log.read_text().count("Accepted publickey")
+
+    run = ansible_playbook(workdir, inventory, "dynspec.patch.roll", "-e", "dynspec_threshold=8")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert recap(run.stdout)[host.name]["failed"] == 1
+    failure = json.loads(re.search(r"fatal: \[gpu0\]: FAILED! => (\{.*\})", run.stdout).group(1))
+    assert f"host key of [127.0.0.1]:{host.sshd.port} is not in known_hosts" in failure["msg"]
+    assert known.read_text() == ""
+    assert host.sshd.log.read_text().count("Accepted publickey") == logins  # never logged in
+    assert tree_bytes(host.package) == before
+
+    monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "False")
+    run = ansible_playbook(workdir, inventory, "dynspec.patch.roll", "--check",
+                           "-e", "dynspec_threshold=8")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert recap(run.stdout)[host.name]["changed"] == 1
+    assert known.read_text().split() == [f"[127.0.0.1]:{host.sshd.port}",
+                                         *host.sshd.host_pub.split()]
+
+
 def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_path):
     import subprocess
     import sys
@@ -111,16 +146,23 @@ def test_collection_builds_and_its_documentation_matches_the_argument_spec(tmp_p
                             "--output-path", str(tmp_path)], capture_output=True, text=True,
                            timeout=120)
     assert built.returncode == 0, built.stderr
-    assert (tmp_path / "dynspec-patch-0.1.0.tar.gz").exists()
-
-    sys.path.insert(0, str(ROOT))
+    tarball = tmp_path / "dynspec-patch-0.1.0.tar.gz"
+    assert tarball.exists()
+    # the documentation as installed from the built collection (the checkout itself never goes
+    # on sys.path: there it would also make the product's source importable, issue 13)
+    installed = subprocess.run([_bin("ansible-galaxy"), "collection", "install", "--offline",
+                                "-p", str(tmp_path / "collections"), str(tarball)],
+                               capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0, installed.stderr
+    sys.path.insert(0, str(tmp_path / "collections"))
     try:
         from ansible_collections.dynspec.patch.plugins.module_utils.sglang_dynspec_spec import (
             ARGUMENT_SPEC,
         )
         from ansible_collections.dynspec.patch.plugins.modules import sglang_dynspec
     finally:
-        sys.path.remove(str(ROOT))
+        sys.path.remove(str(tmp_path / "collections"))
+    assert Path(sglang_dynspec.__file__).is_relative_to(tmp_path)
     documented = yaml.safe_load(sglang_dynspec.DOCUMENTATION)["options"]
     assert set(documented) == set(ARGUMENT_SPEC)
     for name, spec in ARGUMENT_SPEC.items():

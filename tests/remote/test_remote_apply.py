@@ -243,14 +243,15 @@ def test_log_line_then_argv_fallbacks(make_host):
 def test_native_route_writes_config_and_flags(make_host):
     host = make_host("0.5.16")
     srv = host.server(*SPEC)
-    out = apply(host, threshold=48)
+    out = apply(host, threshold=48, route="native")
     assert out["plan"].route == "native"
     assert out["restart"]["restarted"] is True
     info = srv.info()
     assert info["speculative_adaptive"] is True
     cfg = json.loads((host.state / "dynspec-adaptive.json").read_text())
     assert cfg["49"] == {"candidate_steps": [0]}
-    again = apply(host, threshold=48)
+    assert rc.status(host.options())["plan"].route == "native"  # the route the host is on
+    again = apply(host, threshold=48, route="native")
     assert again["restart"].startswith("not needed")
     back = revert(host)
     assert back["restart"]["restarted"] is True

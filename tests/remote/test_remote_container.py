@@ -182,6 +182,33 @@ def test_threshold_needs_commit_image_which_makes_a_durable_patched_image(contai
     engine.cli("rmi", tag)
 
 
+def test_a_patch_partly_in_the_image_is_not_durable(container_host):
+    """An image that carries the v1 patch (--commit-image), then the v2 worker patched in a
+    container of it: v2's patch lives only in the container's layer, so the patch as a whole
+    is lost when the container is re-created."""
+    engine = container_host.engine
+    name, port = container_host.run(*SPEC)
+    tag = f"dynspec-test/sglang:v1-patched-{name}"
+    out = apply(container_host, commit_image=tag)
+    assert out["files_changed"] == ["srt/speculative/dynspec_fallback.py",
+                                    "srt/server_args.py", "srt/speculative/eagle_worker.py"]
+    engine.cli("rm", "-f", name)
+    engine.cli("run", "-d", "--pull=never", "--network", "host", "--name", name, tag)
+    wait_healthy(port)
+    assert rc.status(container_host.options())["durability"].startswith("durable")
+    try:
+        out = apply(container_host, worker="both")
+        assert out["files_changed"] == ["srt/speculative/eagle_worker_v2.py"]
+        assert [p for p in layer_paths(engine, name) if p.startswith(PACKAGE)] == [
+            f"{PACKAGE}/srt/speculative/eagle_worker_v2.py"]
+        st = rc.status(container_host.options())
+        assert st["host_state"] == "patched"
+        assert st["durability"].startswith("container layer only")
+    finally:
+        engine.cli("rm", "-f", name)
+        engine.cli("rmi", tag)
+
+
 def test_no_restart_leaves_the_mark_in_the_container_and_the_next_apply_restarts(
         container_host):
     engine = container_host.engine

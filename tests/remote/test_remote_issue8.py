@@ -24,7 +24,9 @@ def run_json(capsys, argv):
 def test_native_route_refuses_a_server_adaptive_would_ignore(make_host, box, capsys, extra):
     host = make_host("0.5.16")
     srv = host.server(*SPEC, *extra)
-    code, out, err = run_json(capsys, ["apply", "--host", box, "--threshold", "8"])
+    code, out, err = run_json(
+        capsys, ["apply", "--host", box, "--route", "native", "--threshold", "8"]
+    )
     assert code == 3 and out["exit_code"] == 3
     assert "switches --speculative-adaptive off" in out["error"]
     assert err.count("\n") == 1
@@ -85,3 +87,25 @@ def test_a_restart_reports_its_progress_on_stderr(make_host, box, capsys):
     assert cli.run(["apply", "--host", box, "--threshold", "16", "--health-timeout", "30"]) == 0
     err = capsys.readouterr().err
     assert "... stopped pid" in err and "waiting for health" in err and "health ok" in err
+
+
+@pytest.mark.parametrize("adaptive", [(), ("--speculative-adaptive",)], ids=["plain", "adaptive"])
+def test_patch_route_on_0517_patches_or_refuses_a_server_running_sglang_adaptive(
+        make_host, box, capsys, adaptive):
+    # Two controllers must not run: a v2 server with SGLang's own --speculative-adaptive is
+    # refused on the patch route (exit 3, one line, nothing written, the server untouched).
+    host = make_host("0.5.17")
+    original = tree_bytes(host.package)
+    srv = host.server(*SPEC, "--speculative-eagle-topk", "1", *adaptive)
+    code, out, err = run_json(capsys, ["apply", "--host", box, "--threshold", "8"])
+    if not adaptive:
+        assert code == 0, out
+        assert out["route"] == "patch" and out["routes"] == ["patch", "native"]
+        assert out["restart"]["restarted"] is True
+        assert srv.info()["speculative_disable_batch_threshold"] == 8
+        return
+    assert code == 3 and out["exit_code"] == 3
+    assert "--speculative-adaptive" in out["error"] and "--route native" in out["error"]
+    assert err.count("\n") == 1
+    assert tree_bytes(host.package) == original
+    assert srv.get("/health")[0] == 200 and srv.pid in [s["pid"] for s in out["servers"]]

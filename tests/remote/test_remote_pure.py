@@ -99,7 +99,8 @@ def test_effective_disable_overlap_from_argv_and_env(version, extra, env, expect
     ("0.5.10.post1", {"speculative_algorithm": "NGRAM", "disable_overlap_schedule": True}, "none"),
     ("0.5.10.post1", {"speculative_algorithm": None, "disable_overlap_schedule": False}, "none"),
     ("0.5.13.post1", {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": True}, "v2"),
-    ("0.5.16", {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False}, "native"),
+    ("0.5.16", {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": False}, "v2"),
+    ("0.5.23", {"speculative_algorithm": "EAGLE3", "disable_overlap_schedule": True}, "v2"),
     ("0.4.1", {"speculative_algorithm": "EAGLE", "disable_overlap_schedule": True}, "none"),
 ])
 def test_live_worker_rule(version, values, worker):

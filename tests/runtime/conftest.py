@@ -38,3 +38,14 @@ def _fresh_adapters():
     dynspec_fallback.reset_for_tests()
     yield
     dynspec_fallback.reset_for_tests()
+
+
+@pytest.fixture(autouse=True)
+def _opt_in_levers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The width-1 draft-extend and the start-up warm-up are opt-in; their tests (and every
+    other stand-in test, so the levers run beside the rest) run with both on. A test that wants
+    them off sets the variable to "0"; test_opt_in_levers_are_off_by_default unsets them."""
+    from dynspec_patch.transforms.runtime import dynspec_fallback
+
+    monkeypatch.setenv(dynspec_fallback.DRAFT_EXTEND_WIDTH1_ENV, "1")
+    monkeypatch.setenv(dynspec_fallback.WARMUP_ENV, "1")

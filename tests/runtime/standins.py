@@ -9,12 +9,15 @@ implementations of SGLang's one-node semantics that record what they were given.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import enum
 import itertools
+import linecache
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,16 @@ from dynspec_patch.transforms.runtime_probe import (
     _params,
     _StaticHas,
     _Tree,
+)
+
+# The helper functions the v2 fallback may call, looked up where the release binds them.
+V2_HELPERS = (
+    "eagle_sample",
+    "generate_token_bitmask",
+    "build_grammar_vocab_mask",
+    "GrammarTree",
+    "compute_spec_v2_logprobs",
+    "compute_spec_logprobs",
 )
 
 VOCAB = 16
@@ -84,6 +97,11 @@ class Shape:
     params: dict[str, set[str]]
     target_kwarg: str
     graph_attr: str
+    # v2: the verify module's globals (None: the worker module holds the verify body), and
+    # the signatures (``def f(<these>)``, annotations dropped) of the functions the fallback
+    # calls, cloned from the release so that a wrong call fails as it would in SGLang.
+    verify_module_names: set[str] | None = None
+    signatures: dict[str, str] = field(default_factory=dict)
 
     def has_field(self, cls: str, name: str) -> bool:
         return name in self.fields.get(cls, {})
@@ -113,8 +131,27 @@ def read_shape(version: str, variant: str) -> Shape:
         if fn is not None:
             params[f"EagleVerifyInput.{method}"] = _params(fn)
     relpath, cls, method = TARGET_WORKER
-    target_params = _params(_method(tree, tree.class_in(relpath, cls), method))
+    target_fn = _method(tree, tree.class_in(relpath, cls), method)
+    target_params = _params(target_fn)
     runner = has._members(tree.class_in(*MODEL_RUNNER))
+    signatures = {"target.forward_batch_generation": _signature(target_fn, drop_first=True)}
+    entry = _method(tree, has.worker, "forward_batch_generation") if has.worker else None
+    if entry is not None:
+        signatures["worker.forward_batch_generation"] = _signature(entry)
+    verify_names = None
+    if variant == "v2":
+        if has.verify_module is not has.worker_module and has.verify_module is not None:
+            verify_names = set(has.verify_module.bindings)
+        for name in (*V2_HELPERS, "draft_tp_context"):
+            found = None
+            for module in (has.verify_module, has.worker_module):
+                if module is not None and name in module.bindings:
+                    found = tree.find_definition(module, name)
+                    break
+            if found is not None and isinstance(found[1], ast.FunctionDef):
+                signatures[name] = _signature(found[1])
+        extend = _method(tree, has.draft_worker, "_draft_extend_for_decode")
+        signatures["draft._draft_extend_for_decode"] = _signature(extend)
     return Shape(
         version=version,
         variant=variant,
@@ -125,8 +162,55 @@ def read_shape(version: str, variant: str) -> Shape:
         fields=fields,
         params=params,
         target_kwarg=next(k for k in ("is_verify", "skip_sample") if k in target_params),
-        graph_attr=next(a for a in ("graph_runner", "cuda_graph_runner") if a in runner),
+        graph_attr=next(
+            a
+            for a in ("graph_runner", "cuda_graph_runner", "decode_cuda_graph_runner")
+            if a in runner
+        ),
+        verify_module_names=verify_names,
+        signatures=signatures,
     )
+
+
+def _signature(fn: ast.FunctionDef, drop_first: bool = False) -> str:
+    """The parameter list of ``fn`` as source, annotations dropped, defaults kept if literal."""
+    args = ast.fix_missing_locations(ast.parse(f"def f({ast.unparse(fn.args)}): pass")).body[0]
+    arguments = args.args  # type: ignore[attr-defined]
+    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs):
+        arg.annotation = None
+    for holder in (arguments.vararg, arguments.kwarg):
+        if holder is not None:
+            holder.annotation = None
+    arguments.defaults = [
+        d if isinstance(d, ast.Constant) else ast.Constant(None) for d in arguments.defaults
+    ]
+    arguments.kw_defaults = [
+        d if d is None or isinstance(d, ast.Constant) else ast.Constant(None)
+        for d in arguments.kw_defaults
+    ]
+    if drop_first and arguments.args and arguments.args[0].arg == "self":
+        arguments.args = arguments.args[1:]
+    return ast.unparse(arguments)
+
+
+_clone_ids = itertools.count()
+
+
+def clone(
+    signature: str, name: str, impl: Callable[[dict[str, Any]], Any], note: str = ""
+) -> Callable[..., Any]:
+    """A function with exactly ``signature``'s parameters that calls ``impl(bound_args)``.
+
+    ``note`` becomes a comment in its source, which ``inspect.getsource`` can read (the
+    runtime reads some SGLang methods' source).
+    """
+    namespace: dict[str, Any] = {}
+    comment = f"    # {note}\n" if note else ""
+    source = f"def {name}({signature}):\n{comment}    return _impl(dict(locals()))\n"
+    filename = f"<standin {name} {next(_clone_ids)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), {"_impl": impl}, namespace)
+    return namespace[name]
 
 
 def _dataclass(name: str, spec: dict[str, bool], namespace: dict[str, Any]) -> type:
@@ -224,7 +308,27 @@ class World:
         self.graph_sentinel = object()
         self.req_to_token = torch.arange(8 * 64, dtype=torch.int32).reshape(8, 64) + 1000
         self.next_slot = 5000
+        self.verify_module: types.ModuleType | None = None
+        # 0.5.17+'s get_exec(): read-only config bags (graph sizes, hidden-state capture).
+        self.exec_config = ConfigBag(
+            "exec",
+            features=ConfigBag(
+                "exec.features", enable_return_hidden_states=False, return_hidden_states_mode=None
+            ),
+            graph=ConfigBag(
+                "exec.graph",
+                cuda_graph_config=types.SimpleNamespace(
+                    decode=types.SimpleNamespace(bs=[1, 2, 4, 8, 16, 32, 64])
+                ),
+            ),
+        )
+        self.fail_draft_extend_at_width: int | None = None
+        self.fail_extend_capture: Exception | None = None
+        self.extend_captures: list[Any] = []
+        self.draft_backends_made: list[Any] = []
         self._install_globals()
+        if shape.variant == "v2":
+            self._install_v2_helpers()
         self.worker = self._make_worker()
         self.batch = self._make_batch(batch_size, seq_len, max_new_tokens)
 
@@ -296,6 +400,13 @@ class World:
             rec.add("moe_enter")
             yield
 
+        available["get_exec"] = lambda: world.exec_config
+        available["EAGLEDraftExtendCudaGraphRunner"] = type(
+            "EAGLEDraftExtendCudaGraphRunner", (DraftExtendGraphRunner,), {"world": world}
+        )
+        available["DraftBackendFactory"] = type(
+            "DraftBackendFactory", (DraftBackendFactory,), {"world": world}
+        )
         available["speculative_moe_backend_context"] = moe_context
         available["speculative_moe_a2a_backend_context"] = moe_context
         available["add_output_logprobs_for_spec_v1"] = lambda batch, res, lo: rec.add(
@@ -315,9 +426,86 @@ class World:
             if name in shape.module_names:
                 setattr(self.module, name, value)
 
-    def _bitmask(self, reqs, vi, next_token_cpu, next_sibling_cpu, draft_cpu, vocab_size):
-        self.recorder.add("bitmask", vi=vi, draft_cpu=draft_cpu, next_token_cpu=next_token_cpu)
+    def _bitmask(
+        self, reqs, verify_input, next_token_cpu, next_sibling_cpu, draft_cpu, vocab_size
+    ):
+        self.recorder.add(
+            "bitmask", vi=verify_input, draft_cpu=draft_cpu, next_token_cpu=next_token_cpu
+        )
         return torch.ones((len(reqs), 1), dtype=torch.int32)
+
+    # -- v2 helpers of 0.5.14+ (eagle_sample & co.), with each release's own signatures -------
+
+    def _install_v2_helpers(self) -> None:
+        """Bind the 0.5.14+ helpers where the release binds them (the verify module: 0.5.16+)."""
+        shape, rec, world = self.shape, self.recorder, self
+        target = self.module
+        if shape.verify_module_names is not None:
+            self.verify_module = types.ModuleType(f"{self.module.__name__}_common")
+            sys.modules[self.verify_module.__name__] = self.verify_module
+            target = self.verify_module
+
+            def run_eagle_verify(*args, **kwargs):
+                raise AssertionError("the fallback must not run SGLang's verify")
+
+            run_eagle_verify.__module__ = self.verify_module.__name__
+            self.module.run_eagle_verify = run_eagle_verify
+        names = shape.verify_module_names or shape.module_names
+        sig = shape.signatures
+
+        def sample(args: dict[str, Any]) -> Any:
+            mask = args.get("grammar_mask", args.get("vocab_mask"))
+            batch, logits_output = args["batch"], args["logits_output"]
+            rec.add("sample", vi=args["verify_input"], vocab_mask=mask, input_ids=batch.input_ids)
+            predict = logits_output.next_token_logits.argmax(-1).to(torch.int32)
+            bs = predict.shape[0]
+            accept_index = torch.arange(bs, dtype=torch.int32)[:, None]
+            return predict, torch.ones(bs, dtype=torch.int32), accept_index
+
+        def build_mask(args: dict[str, Any]) -> Any:
+            if args["barrier"] is not None:
+                args["barrier"]()
+            rec.add("grammar_mask", tree=args["tree"].resolve(), reqs=args["reqs"])
+            args["sampling_info"].grammar_mask = None
+            return types.SimpleNamespace(kind="GrammarMask", device=args["device"])
+
+        def logprobs(args: dict[str, Any]) -> None:
+            rec.add(
+                "logprobs_v2",
+                accept_index=args["accept_index"].clone(),
+                predict=args["predict"].clone(),
+                args=sorted(args),
+            )
+
+        impls: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "eagle_sample": sample,
+            "build_grammar_vocab_mask": build_mask,
+            "compute_spec_v2_logprobs": logprobs,
+            "compute_spec_logprobs": logprobs,
+        }
+        if "verify_input" in sig.get("generate_token_bitmask", ""):
+            impls["generate_token_bitmask"] = lambda a: world._bitmask(
+                a["reqs"],
+                a["verify_input"],
+                a["retrieve_next_token_cpu"],
+                a["retrieve_next_sibling_cpu"],
+                a["draft_tokens_cpu"],
+                a["vocab_size"],
+            )
+        for name, impl in impls.items():
+            if name in names and name in sig:
+                setattr(target, name, clone(sig[name], name, impl))
+        if "GrammarTree" in names:
+            target.GrammarTree = GrammarTree
+        if "draft_tp_context" in sig and "draft_tp_context" in shape.module_names:
+            self.module.draft_tp_context = clone(
+                sig["draft_tp_context"], "draft_tp_context", self._tp_enter
+            )
+
+    @contextlib.contextmanager
+    def _tp_enter(self, args: dict[str, Any]) -> Any:
+        self.recorder.add("draft_tp_enter", **args)
+        yield
 
     def _verify_one_node(self, vi, batch, logits_output):
         """CPU reference of EagleVerifyInput.verify for a one-node tree (greedy)."""
@@ -394,7 +582,16 @@ class World:
             worker.token_to_kv_pool_allocator = "allocator"
             worker.page_size = 1
         else:
-            cls = type("EAGLEWorkerV2", (_V2Entry,), {"__module__": self.module.__name__})
+            entry = clone(
+                shape.signatures["worker.forward_batch_generation"],
+                "forward_batch_generation",
+                lambda args: None,
+            )
+            cls = type(
+                "EAGLEWorkerV2",
+                (),
+                {"__module__": self.module.__name__, "forward_batch_generation": entry},
+            )
             if "_compute_spec_v2_logprobs" in shape.worker_members:
                 cls._compute_spec_v2_logprobs = lambda self, batch, lo, predict, accept_index: (
                     rec.add(
@@ -405,11 +602,9 @@ class World:
             worker.speculative_num_draft_tokens = 4
             worker.speculative_num_steps = 3
             worker.req_to_token_pool = types.SimpleNamespace(req_to_token=self.req_to_token)
-            worker.draft_worker = types.SimpleNamespace(
-                draft_tp_context=draft_tp_context,
-                draft_runner=types.SimpleNamespace(tp_group="draft-tp"),
-                _draft_extend_for_decode=world._draft_extend_v2,
-            )
+            if "topk" in shape.worker_members:  # 0.5.14+: the resolved topk
+                worker.topk = self.server_args.speculative_eagle_topk
+            worker.draft_worker = self._make_draft_worker()
         worker.server_args = self.server_args
         worker.target_worker = target
         worker.draft_tp_context = draft_tp_context
@@ -418,6 +613,44 @@ class World:
         worker.adaptive_controller = _ForbiddenController() if shape.variant == "v1" else None
         self.module.__dict__[type(worker).__name__] = type(worker)
         return worker
+
+    def _make_draft_worker(self) -> Any:
+        """EagleDraftWorker stand-in: the members that release's draft worker has.
+
+        Its draft-extend runs without a CUDA graph unless a test gives it one
+        (``cuda_graph_runner_for_draft_extend``), as on a server with CUDA graphs off.
+        """
+        shape = self.shape
+        extend = shape.signatures["draft._draft_extend_for_decode"].split(", ", 1)[1]
+        draft = types.SimpleNamespace(
+            draft_runner=types.SimpleNamespace(tp_group="draft-tp", server_args=self.server_args),
+            _draft_extend_for_decode=clone(
+                extend,
+                "_draft_extend_for_decode",
+                self._draft_extend_v2,
+                note="replays self.cuda_graph_runner_for_draft_extend where it can, as SGLang's",
+            ),
+        )
+        draft_members = shape.draft_worker_members
+        if "draft_tp_context" in draft_members:
+            signature = shape.signatures.get("draft_tp_context", "tp_group")
+            draft.draft_tp_context = clone(signature, "draft_tp_context", self._tp_enter)
+        if "draft_owns_attention" in draft_members:
+            draft.draft_owns_attention = "owns-attention"
+        if "parallel_layout" in draft_members:
+            draft.parallel_layout = "draft-layout"
+        optional = {
+            "speculative_num_steps": 3,
+            "speculative_num_draft_tokens": 4,
+            "topk": 1,
+            "server_args": self.server_args,
+            "cuda_graph_runner_for_draft_extend": None,
+            "draft_extend_attn_backend": None,
+        }
+        for name, value in optional.items():
+            if name in shape.draft_worker_members:
+                setattr(draft, name, value)
+        return draft
 
     def _draft_extend_v1(self, batch: Any) -> Any:
         info = batch.spec_info
@@ -433,19 +666,36 @@ class World:
         self.recorder.add("preprocess_idle")
         batch.spec_info = "idle-draft-input"
 
-    def _draft_extend_v2(self, batch: Any, result: Any) -> None:
-        """Records the inputs and emulates the select_index of _draft_extend_for_decode."""
-        stride = self.worker.speculative_num_draft_tokens
+    def _draft_extend_v2(self, args: dict[str, Any]) -> None:
+        """Records the inputs and emulates _draft_extend_for_decode: the draft worker's own
+        width (its ``speculative_num_draft_tokens``, as SGLang reads it), the select_index,
+        and the rebinding of batch fields its prepare_for_extend_to_fill_draft_kvcache does."""
+        batch, result = args["batch"], args["batch_result"]
+        draft = self.worker.draft_worker
+        width = getattr(
+            draft, "speculative_num_draft_tokens", self.worker.speculative_num_draft_tokens
+        )
         bs = len(batch.seq_lens)
-        select = torch.arange(bs) * stride + result.accept_lens - 1
+        select = torch.arange(bs) * width + result.accept_lens - 1
         self.recorder.add(
             "draft_extend_v2",
+            width=width,
+            steps=getattr(draft, "speculative_num_steps", None),
+            graph=getattr(draft, "cuda_graph_runner_for_draft_extend", None),
+            backend=getattr(draft, "draft_extend_attn_backend", None),
             out_cache_loc=batch.out_cache_loc.clone(),
+            seq_lens=batch.seq_lens.clone(),
             input_ids=result.next_token_ids.clone(),
             hidden=result.logits_output.hidden_states.clone(),
             selected_hidden=result.logits_output.hidden_states[select].clone(),
             selected_tokens=result.next_token_ids[select].clone(),
+            kwargs={k: v for k, v in args.items() if k not in ("self", "batch", "batch_result")},
         )
+        batch.input_ids = result.next_token_ids
+        batch.seq_lens = batch.seq_lens + width
+        batch.forward_mode = "DRAFT_EXTEND_V2"
+        if self.fail_draft_extend_at_width == width:
+            raise RuntimeError(f"draft-extend failed at width {width}")
         draft_input = result.next_draft_input
         draft_input.hidden_states = result.logits_output.hidden_states[select]
 
@@ -481,6 +731,77 @@ class World:
             spec_info.allocate_lens = batch.seq_lens + 8
         batch.spec_info = spec_info
         return batch
+
+
+class DraftAttentionBackend:
+    """A draft-extend attention backend: the widths it read from the server args (as the
+    triton backend does in its __init__)."""
+
+    def __init__(self, server_args: Any, label: str) -> None:
+        self.label = label
+        self.speculative_num_steps = server_args.speculative_num_steps
+        self.num_draft_tokens = server_args.speculative_num_draft_tokens
+
+
+class DraftBackendFactory:
+    """SGLang's DraftBackendFactory: builds the draft-extend backend from the server args.
+
+    World binds a subclass per world (``world``), which records what it made.
+    """
+
+    world: Any = None
+
+    def __init__(self, server_args: Any, draft_runner: Any, topk: int, num_steps: int) -> None:
+        self.server_args = server_args
+
+    def create_draft_extend_backend(self) -> DraftAttentionBackend:
+        made = self.world.draft_backends_made
+        backend = DraftAttentionBackend(self.server_args, f"extend-{len(made)}")
+        made.append(backend)
+        return backend
+
+
+class DraftExtendGraphRunner:
+    """SGLang's EAGLEDraftExtendCudaGraphRunner: constructing it is capturing (recorded).
+
+    Its width is the server args' ``speculative_num_draft_tokens`` (0.5.13.post1's rule).
+    World binds a subclass per world: ``world.fail_extend_capture`` makes a construction
+    raise, ``world.extend_captures`` records what each one saw, ``replays`` the replays.
+    """
+
+    world: Any = None
+
+    def __init__(
+        self,
+        eagle_worker: Any,
+        *,
+        draft_extend_attn_backend: Any = None,
+        speculative_num_steps: int | None = None,
+    ) -> None:
+        args = eagle_worker.draft_runner.server_args
+        self.seen = {
+            "worker_width": eagle_worker.speculative_num_draft_tokens,
+            "worker_steps": eagle_worker.speculative_num_steps,
+            "args_width": args.speculative_num_draft_tokens,
+            "args_steps": args.speculative_num_steps,
+            "steps_kwarg": speculative_num_steps,
+            "backend": draft_extend_attn_backend,
+            "worker_backend": eagle_worker.draft_extend_attn_backend,
+            "cuda_graph_bs": list(getattr(args, "cuda_graph_bs", None) or []),
+        }
+        if self.world.fail_extend_capture is not None:
+            raise self.world.fail_extend_capture
+        self.num_tokens_per_bs = args.speculative_num_draft_tokens
+        self.capture_bs = self.seen["cuda_graph_bs"] or [1, 2, 4, 8]
+        self.disable_padding = False
+        self.forward_mode = "DRAFT_EXTEND_V2"
+        self.seq_len_fill_value = 1
+        self.replays: list[Any] = []
+        self.world.extend_captures.append(self)
+
+    def replay(self, forward_batch: Any) -> None:
+        draft = self.world.worker.draft_worker
+        self.replays.append((forward_batch, draft.speculative_num_draft_tokens))
 
 
 class _BatchBase:
@@ -522,17 +843,23 @@ class _TargetWorker:
         self.model_runner = types.SimpleNamespace()
         setattr(self.model_runner, world.shape.graph_attr, world.graph_sentinel)
         self.fail_with: Exception | None = None
-        kwarg = world.shape.target_kwarg
-        # The keyword the real target worker takes, so inspect.signature sees it.
-        namespace: dict[str, Any] = {}
-        exec(
-            f"def forward_batch_generation(mwb, {kwarg}=False):\n    return call(mwb, {kwarg})\n",
-            {"call": self._forward},
-            namespace,
-        )
-        self.forward_batch_generation = namespace["forward_batch_generation"]
+        # The release's own parameters, so inspect.signature and the call see them.
+        signature = world.shape.signatures["target.forward_batch_generation"]
+        self._batch_param = signature.split(",")[0].split("=")[0].strip()
+        self.forward_batch_generation = clone(signature, "forward_batch_generation", self._call)
 
-    def _forward(self, mwb: Any, flag: bool) -> Any:
+    def _call(self, args: dict[str, Any]) -> Any:
+        mwb = args[self._batch_param]
+        flag = bool(args[self.world.shape.target_kwarg])
+        # 0.5.16+ read the capture mode from this keyword only (None: derived, so NULL for a
+        # batch without spec info); older releases read the batch's attribute.
+        if "capture_hidden_mode" in args:
+            capture = args["capture_hidden_mode"] or CaptureHiddenMode.NULL
+        else:
+            capture = mwb.capture_hidden_mode
+        return self._forward(mwb, flag, capture)
+
+    def _forward(self, mwb: Any, flag: bool, capture: Any) -> Any:
         world = self.world
         world.recorder.add(
             "target_forward",
@@ -540,6 +867,7 @@ class _TargetWorker:
             mode=mwb.forward_mode,
             spec_info=mwb.spec_info,
             capture=mwb.capture_hidden_mode,
+            capture_effective=capture,
             seq_lens=mwb.seq_lens.clone(),
             seq_lens_is_batch_tensor=mwb.seq_lens is world.batch.seq_lens,
             seq_lens_cpu=None if mwb.seq_lens_cpu is None else mwb.seq_lens_cpu.clone(),
@@ -552,9 +880,10 @@ class _TargetWorker:
         )
         if self.fail_with is not None:
             raise self.fail_with
+        full = capture == CaptureHiddenMode.FULL
         logits_output = types.SimpleNamespace(
             next_token_logits=target_logits(mwb.input_ids),
-            hidden_states=target_hidden(mwb.input_ids),
+            hidden_states=target_hidden(mwb.input_ids) if full else None,
         )
         if world.shape.target_kwarg == "skip_sample":
             return logits_output, None, True
@@ -573,6 +902,47 @@ class _ResultEntry:
         return None
 
 
-class _V2Entry:
-    def forward_batch_generation(self, batch, on_publish=None):
-        return None
+class ConfigBag:
+    """SGLang 0.5.17+'s ``_ConfigBag``: read-only leaves, a scoped ``override``."""
+
+    def __init__(self, path: str, **leaves: Any) -> None:
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_fields", dict(leaves))
+        for name, value in leaves.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"config namespace {self._path!r} is read-only")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fields
+
+    @contextlib.contextmanager
+    def override(self, **kwargs: Any) -> Any:
+        unknown = set(kwargs) - set(self._fields)
+        if unknown:
+            raise ValueError(f"unknown config leaf for {self._path!r}: {sorted(unknown)}")
+        saved = {name: self._fields[name] for name in kwargs}
+        for name, value in kwargs.items():
+            self._fields[name] = value
+            object.__setattr__(self, name, value)
+        try:
+            yield self
+        finally:
+            for name, value in saved.items():
+                self._fields[name] = value
+                object.__setattr__(self, name, value)
+
+
+class GrammarTree:
+    """0.5.17+'s GrammarTree: the tree's links and tokens, copied to the host."""
+
+    def __init__(self, host: tuple[torch.Tensor, ...]) -> None:
+        self._host = host
+
+    @classmethod
+    def from_device(cls, retrieve_next_token, retrieve_next_sibling, draft_token):
+        return cls((retrieve_next_token.cpu(), retrieve_next_sibling.cpu(), draft_token.cpu()))
+
+    def resolve(self) -> tuple[torch.Tensor, ...]:
+        return self._host

@@ -295,3 +295,139 @@ def test_profiler_env(monkeypatch):
     assert isinstance(profiler, dyn.StepProfiler) and profiler.every == 200
     monkeypatch.setenv(dyn.PROFILE_ENV, "yes")
     assert not isinstance(dyn._make_profiler(worker), dyn.StepProfiler)
+
+
+# -- capture on the 0.5.14+ layout ------------------------------------------------------------
+
+
+class PhaseGraphRunner:
+    """0.5.14+'s DecodeCudaGraphRunner: sizes from ``cuda_graph_config.decode.bs``, the hidden
+    mode from the server args (<= 0.5.18) or from ``get_exec().features`` (0.5.19+)."""
+
+    def __init__(self, model_runner: Any) -> None:
+        exec_config = model_runner.exec_config
+        if exec_config is None:
+            args = model_runner.server_args
+            mode, enabled = args.return_hidden_states_mode, args.enable_return_hidden_states
+            sizes = list(args.cuda_graph_config.decode.bs)
+        else:
+            features = exec_config.features
+            mode = features.return_hidden_states_mode
+            enabled = features.enable_return_hidden_states
+            sizes = list(exec_config.graph.cuda_graph_config.decode.bs)
+        self.capture_hidden_mode = CaptureHiddenMode.NULL
+        if mode == "last":
+            self.capture_hidden_mode = CaptureHiddenMode.LAST
+        elif mode == "full" or enabled:
+            self.capture_hidden_mode = CaptureHiddenMode.FULL
+        self.spec_algorithm = model_runner.spec_algorithm
+        self.capture_bs = sizes
+        model_runner.captures.append(self)
+
+
+class CaptureHiddenMode(enum.IntEnum):
+    NULL = 0
+    LAST = 1
+    FULL = 2
+
+
+class SealedArgs(types.SimpleNamespace):
+    """0.5.19+: ServerArgs refuses assignment once resolved."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_sealed", False):
+            raise AttributeError(f"server_args.{name} assigned after resolution")
+        super().__setattr__(name, value)
+
+
+def phase_runner(*, sealed: bool, mode: str | None = None) -> tuple[Any, Any]:
+    from tests.runtime.standins import ConfigBag
+
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    args = SealedArgs(
+        enable_return_hidden_states=False,
+        return_hidden_states_mode=mode,
+        cuda_graph_config=types.SimpleNamespace(decode=types.SimpleNamespace(bs=list(sizes))),
+    )
+    exec_config = None
+    if sealed:
+        exec_config = ConfigBag(
+            "exec",
+            features=ConfigBag(
+                "exec.features", enable_return_hidden_states=False, return_hidden_states_mode=mode
+            ),
+            graph=ConfigBag(
+                "exec.graph",
+                cuda_graph_config=types.SimpleNamespace(
+                    decode=types.SimpleNamespace(bs=list(sizes))
+                ),
+            ),
+        )
+        args._sealed = True
+    runner = make_runner()
+    runner.server_args = args
+    runner.exec_config = exec_config
+    runner.decode_cuda_graph_runner = PhaseGraphRunner.__new__(PhaseGraphRunner)
+    return runner, exec_config
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["0.5.17-server-args", "0.5.19-get-exec"])
+@pytest.mark.parametrize("mode", [None, "last"])
+def test_capture_on_the_phase_config_layout(sealed, mode):
+    runner, exec_config = phase_runner(sealed=sealed, mode=mode)
+    graphs, why = dyn.capture_decode_graphs(
+        runner, "decode_cuda_graph_runner", min_batch_size=10, exec_config=exec_config
+    )
+    assert why == "" and graphs is not None
+    (captured,) = runner.captures
+    assert captured.capture_hidden_mode == CaptureHiddenMode.FULL
+    assert captured.capture_bs == graphs.batch_sizes == [16, 32, 64]
+    assert captured.spec_algorithm is SpeculativeAlgorithm.NONE
+    # Everything is back as it was.
+    holder = exec_config.graph if sealed else runner.server_args
+    assert holder.cuda_graph_config.decode.bs == [1, 2, 4, 8, 16, 32, 64]
+    if sealed:
+        assert exec_config.features.enable_return_hidden_states is False
+        assert exec_config.features.return_hidden_states_mode == mode
+    else:
+        assert runner.server_args.enable_return_hidden_states is False
+        assert runner.server_args.return_hidden_states_mode == mode
+
+
+def test_sealed_args_without_the_config_bag_decline():
+    runner, _ = phase_runner(sealed=True)
+    graphs, why = dyn.capture_decode_graphs(runner, "decode_cuda_graph_runner", min_batch_size=1)
+    assert graphs is None and "hidden states" in why
+    assert runner.made == []
+
+
+def test_graphs_captured_without_full_hidden_states_are_not_used():
+    # A release whose runner reads the hidden mode from a place the runtime was not told of
+    # (here: a config bag it was not given) captures LAST; those graphs must not be replayed.
+    runner, _ = phase_runner(sealed=False)
+    _, bag = phase_runner(sealed=True, mode="last")
+    runner.exec_config = bag
+    graphs, why = dyn.capture_decode_graphs(runner, "decode_cuda_graph_runner", min_batch_size=1)
+    assert graphs is None and "LAST, not FULL" in why
+
+
+def test_the_adapter_hands_get_exec_to_the_capture_on_0523():
+    # 0.5.19+: ServerArgs is sealed and the graph settings live in get_exec(); the adapter
+    # must pass the worker module's get_exec() to the capture, or there are no graphs.
+    from tests.runtime.standins import World, read_shape
+
+    world = World(read_shape("0.5.23", "v2"), threshold=2, batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    template, _ = phase_runner(sealed=True)
+    for name in ("spec_algorithm", "captures", "made", "attn_backend", "server_args"):
+        setattr(runner, name, getattr(template, name))
+    runner.init_new_workspace = False
+    runner._get_attention_backend = template._get_attention_backend
+    template.made = runner.made
+    runner.exec_config = world.exec_config
+    runner.decode_cuda_graph_runner = template.decode_cuda_graph_runner
+
+    assert step(world, "v2") is not None
+    (decode_graphs,) = runner.captures
+    assert decode_graphs.capture_hidden_mode == CaptureHiddenMode.FULL
+    assert world.recorder.get("target_forward")["graph"] is decode_graphs

@@ -224,6 +224,7 @@ def test_non_decode_batches_speculate(shapes, attr):
     ("server_args", "reason"),
     [
         ({"enable_dp_attention": True}, "DP attention"),
+        ({"enable_sp_layernorm": True}, "DeepEP MoE on 0.4.x"),
         ({"enable_multi_layer_eagle": True}, "multi-layer EAGLE"),
         ({"enable_two_batch_overlap": True}, "two-batch overlap"),
         ({"enable_pdmux": True}, "pdmux"),

@@ -67,8 +67,10 @@ def test_fallback_step_pads_to_the_stride_and_keeps_invariants(shapes, version):
     assert torch.equal(world.recorder.get("sample")["input_ids"], roots.long())
     # The decode writes the slot the scheduler already reserved at position L.
     assert call["out_cache_loc"].tolist() == world.req_to_token[rows, 10].tolist()
-    # The scheduler's tensors were not changed in place.
-    assert batch.seq_lens is seq_lens and seq_lens.tolist() == [10, 10, 10]
+    # The scheduler's tensors were not changed in place (the draft-extend rebinds the batch's
+    # seq_lens to L + N, as SGLang's prepare_for_extend_to_fill_draft_kvcache does).
+    assert seq_lens.tolist() == [10, 10, 10]
+    assert world.recorder.get("draft_extend_v2")["seq_lens"].tolist() == [10, 10, 10]
     # Tokens padded to the stride, accept length 1 (the bonus token only).
     predicted = target_logits(roots).argmax(-1).to(torch.int32)
     tokens = result.next_token_ids

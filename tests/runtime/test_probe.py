@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from dynspec_patch.patcher.engine import version_key
 from dynspec_patch.patcher.releases import Pin, find_pin, load_pins, release_dir
 from dynspec_patch.transforms.runtime_probe import probe_release
 
@@ -29,7 +30,8 @@ def test_every_name_found_for_patched_workers(pin: Pin) -> None:
     assert report.ok, missing
     for variant in pin.workers:
         assert f"{variant}[entry=" in report.era
-    assert not report.native
+    # 0.5.14+ also have SGLang's own steps-0 path (the native route).
+    assert report.native == (version_key(pin.version) >= version_key("0.5.14"))
 
 
 @pytest.mark.parametrize(
@@ -72,6 +74,16 @@ def test_refused_worker_variants_are_reported_missing(version: str, variant: str
         ),
         ("0.5.13.post1", ["v1[absent]", "gbr_new_seq_lens=new_seq_lens"]),
         ("0.5.5.post2", ["gbr_allocate_lens=allocate_lens"]),
+        (
+            "0.5.17",
+            [
+                "v1[absent]",
+                "graph_attr=decode_cuda_graph_runner",
+                "sample_fn=eagle_sample",
+                "logprob_fn=compute_spec_v2_logprobs",
+            ],
+        ),
+        ("0.5.23", ["sample_fn=eagle_sample", "logprob_fn=compute_spec_logprobs"]),
     ],
 )
 def test_era_names_the_adapter_choices(version: str, expected: list[str]) -> None:

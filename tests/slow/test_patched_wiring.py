@@ -44,8 +44,8 @@ def test_server_args_field_and_flag(case, drive):
     assert wiring["cli_flag_value"] == 6
 
 
-def test_cpu_reference_kernels_replaced_the_gpu_ones(case, drive):
-    release, variant = case
+def test_cpu_reference_kernels_replaced_the_gpu_ones(driven_case, drive):
+    release, variant = driven_case
     placements = drive(release, variant)["wiring"]["kernel_placements"]
     # The kernels a one-node verify reaches must have been found and swapped in, or the run
     # would have called a stand-in (which raises) or a Triton kernel (no CPU driver).
@@ -53,3 +53,19 @@ def test_cpu_reference_kernels_replaced_the_gpu_ones(case, drive):
     assert placements.get("assign_req_to_token_pool"), placements
     assert placements.get("create_extend_after_decode_spec_info") or placements.get(
         "create_extend_spec_info"), placements
+
+
+def test_live_names_of_the_real_modules_are_the_static_probe_s(any_v2_case, drive):
+    # The installed runtime, introspecting the real imported modules, picks the same spelling
+    # for every module-level need as the static probe of the same release does.
+    release, variant = any_v2_case
+    from dynspec_patch.patcher.releases import find_pin, release_dir
+    from dynspec_patch.transforms.runtime_probe import resolve_static
+
+    live = drive(release, variant)["wiring"]["live_names"]
+    assert live["missing"] == []
+    root = release_dir(find_pin(release.version))
+    static = resolve_static(
+        lambda rel: (root / rel).read_text() if (root / rel).is_file() else None, "v2"
+    )
+    assert live["names"] == {k: static[k] for k in live["names"]}

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -59,7 +60,13 @@ def default_resume_below(threshold: int) -> int:
 
 
 def effective_batch_size(local_batch_size: int, global_num_tokens: list[int] | None) -> int:
-    """Batch size the decision uses: the max over DP ranks when they were all-gathered."""
+    """Batch size the decision uses: the max over DP ranks when they were all-gathered.
+
+    The scheduler sets ``global_num_tokens`` for its MLP sync. With DP attention refused
+    (``refusal_reason``), 0.4.10+ sets it to ``[local batch size]`` (DeepEP / a2a MoE,
+    ``moe_dense_tp_size`` 1) or not at all; 0.4.x's DeepEP path (``enable_sp_layernorm``),
+    which counted ``batch size * speculative_num_draft_tokens`` there, is refused.
+    """
     if global_num_tokens:
         return max(int(n) for n in global_num_tokens)
     return int(local_batch_size)
@@ -149,6 +156,11 @@ class DynSpecController:
 #   target_param a parameter of the target worker's ``forward_batch_generation``
 #   runner_attr  an attribute of the target model runner
 #   batch_member a member of SGLang's ScheduleBatch
+#   verify_module a global of the module holding the release's verify body: the module of
+#                the worker-module global ``run_eagle_verify`` (0.5.16+), else the worker's
+#   fn_param     a parameter of the function ``owner``, a global of the verify module or else
+#                of the worker's module
+#   draft_param  a parameter of the v2 draft worker's method ``owner``
 
 
 @dataclass(frozen=True)
@@ -171,13 +183,6 @@ _COMMON_NEEDS: tuple[Need, ...] = (
     Need("draft_input_cls", "module", ("EagleDraftInput",), why="draft state class"),
     Need("capture_mode_cls", "module", ("CaptureHiddenMode",), why="FULL hidden capture"),
     Need("capture_full", "member", ("FULL",), owner="CaptureHiddenMode"),
-    Need(
-        "bitmask_fn",
-        "module",
-        ("generate_token_bitmask",),
-        optional=True,
-        why="grammar mask of the tree; without it grammar batches keep speculating",
-    ),
     Need("vi_draft_token", "fields", ("draft_token",), owner="EagleVerifyInput"),
     Need("vi_custom_mask", "fields", ("custom_mask",), owner="EagleVerifyInput"),
     Need("vi_positions", "fields", ("positions",), owner="EagleVerifyInput"),
@@ -215,6 +220,13 @@ _COMMON_NEEDS: tuple[Need, ...] = (
 
 V1_NEEDS: tuple[Need, ...] = (
     *_COMMON_NEEDS,
+    Need(
+        "bitmask_fn",
+        "module",
+        ("generate_token_bitmask",),
+        optional=True,
+        why="grammar mask of the tree; without it grammar batches keep speculating",
+    ),
     Need(
         "entry",
         "worker",
@@ -347,14 +359,59 @@ V1_NEEDS: tuple[Need, ...] = (
 V2_NEEDS: tuple[Need, ...] = (
     *_COMMON_NEEDS,
     Need("entry", "worker", ("forward_batch_generation",)),
-    Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput"),
+    # Sampling: EagleVerifyInput.sample (<= 0.5.13.post1) or eagle_sample(vi, ...) (0.5.14+).
+    Need("vi_sample", "member", ("sample",), owner="EagleVerifyInput", optional=True),
     Need(
         "sample_vocab_mask",
         "param",
         ("vocab_mask",),
         owner="EagleVerifyInput.sample",
         optional=True,
+        when=("vi_sample", "sample"),
         why="without it grammar batches keep speculating",
+    ),
+    Need("sample_fn", "verify_module", ("eagle_sample",), optional=True),
+    Need(
+        "sample_fn_mask",
+        "fn_param",
+        ("grammar_mask", "vocab_mask"),
+        owner="eagle_sample",
+        optional=True,
+        when=("sample_fn", "eagle_sample"),
+        why="without it grammar batches keep speculating",
+    ),
+    # Grammar: a bitmask over the tree (<= 0.5.16), or a GrammarMask built from a GrammarTree
+    # after the release's grammar barrier (0.5.17+). Without either, grammar batches speculate.
+    Need("bitmask_fn", "verify_module", ("generate_token_bitmask",), optional=True),
+    Need(
+        "bitmask_takes_vi",
+        "fn_param",
+        ("verify_input",),
+        owner="generate_token_bitmask",
+        optional=True,
+        when=("bitmask_fn", "generate_token_bitmask"),
+        why="the bitmask signature the fallback calls (reqs, verify_input, ...)",
+    ),
+    Need("grammar_mask_fn", "verify_module", ("build_grammar_vocab_mask",), optional=True),
+    Need(
+        "grammar_tree_cls",
+        "verify_module",
+        ("GrammarTree",),
+        when=("grammar_mask_fn", "build_grammar_vocab_mask"),
+    ),
+    Need(
+        "target_capture_kwarg",
+        "target_param",
+        ("capture_hidden_mode",),
+        optional=True,
+        why="0.5.16+: FULL hidden capture is a keyword of the target forward",
+    ),
+    Need(
+        "exec_config",
+        "module",
+        ("get_exec",),
+        optional=True,
+        why="0.5.19+: graph batch sizes and hidden-state capture are read from get_exec()",
     ),
     Need("result_cls", "module", ("GenerationBatchResult",)),
     Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
@@ -392,7 +449,13 @@ V2_NEEDS: tuple[Need, ...] = (
     Need("di_verify_done", "fields", ("verify_done",), owner="EagleDraftInput", optional=True),
     Need("di_allocate_lens", "fields", ("allocate_lens",), owner="EagleDraftInput", optional=True),
     Need("logprob_method", "worker", ("_compute_spec_v2_logprobs",), optional=True),
-    Need("logprob_fn", "module", ("compute_spec_v2_logprobs",), optional=True),
+    Need(
+        "logprob_fn",
+        "verify_module",
+        ("compute_spec_v2_logprobs", "compute_spec_logprobs"),
+        optional=True,
+        why="compute_spec_logprobs (0.5.19+) takes accept_index as a keyword and no steps",
+    ),
     Need("target_worker", "worker", ("target_worker",)),
     Need("draft_worker", "worker", ("draft_worker",)),
     Need("num_draft_tokens", "worker", ("speculative_num_draft_tokens",)),
@@ -400,8 +463,74 @@ V2_NEEDS: tuple[Need, ...] = (
     Need("req_to_token_pool", "worker", ("req_to_token_pool",)),
     Need("server_args", "worker", ("server_args",)),
     Need("draft_extend_for_decode", "draft_worker", ("_draft_extend_for_decode",)),
-    Need("draft_tp_context", "draft_worker", ("draft_tp_context",)),
+    Need(
+        "draft_extend_kv_plan",
+        "draft_param",
+        ("kv_loc_plan",),
+        owner="_draft_extend_for_decode",
+        optional=True,
+        why="0.5.22+: left at None (a plain KV pool needs no id translation)",
+    ),
     Need("draft_runner", "draft_worker", ("draft_runner",)),
+    # The draft TP context: draft_worker.draft_tp_context(tp_group[, owns_attention=...])
+    # (<= 0.5.21), then the module function draft_tp_context(owns_attention) (0.5.22) or
+    # draft_tp_context(layout) (0.5.23); its parameters say which.
+    Need("draft_tp_context", "draft_worker", ("draft_tp_context",), optional=True),
+    Need("draft_tp_fn", "module", ("draft_tp_context",), optional=True),
+    Need(
+        "draft_tp_layout",
+        "fn_param",
+        ("layout",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_tp_owns",
+        "fn_param",
+        ("owns_attention",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_tp_group",
+        "fn_param",
+        ("tp_group",),
+        owner="draft_tp_context",
+        optional=True,
+        when=("draft_tp_fn", "draft_tp_context"),
+    ),
+    Need(
+        "draft_parallel_layout",
+        "draft_worker",
+        ("parallel_layout",),
+        when=("draft_tp_layout", "layout"),
+    ),
+    Need(
+        "draft_owns_attention",
+        "draft_worker",
+        ("draft_owns_attention",),
+        when=("draft_tp_owns", "owns_attention"),
+    ),
+    # The width-1 draft-extend of fallback steps; any of these missing: the N-token one.
+    Need(
+        "draft_extend_graph_cls",
+        "module",
+        ("EAGLEDraftExtendCudaGraphRunner",),
+        optional=True,
+        why="captures the width-1 draft-extend graphs",
+    ),
+    Need("draft_backend_factory", "module", ("DraftBackendFactory",), optional=True),
+    Need(
+        "draft_extend_graph_attr",
+        "draft_worker",
+        ("cuda_graph_runner_for_draft_extend",),
+        optional=True,
+    ),
+    Need(
+        "draft_extend_backend_attr", "draft_worker", ("draft_extend_attn_backend",), optional=True
+    ),
 )
 
 NEEDS_BY_VARIANT: dict[str, tuple[Need, ...]] = {"v1": V1_NEEDS, "v2": V2_NEEDS}
@@ -471,10 +600,19 @@ class Adapter:
     decode_graphs: DecodeGraphs | None = None
     decode_graphs_note: str = ""
     profiler: StepProfiler | _NoProfiler | None = None
+    # v2: how the draft TP context is entered (see v2_draft_tp_mode).
+    draft_tp: str | None = None
+    # Globals of the module holding the verify body, and the needs resolved there.
+    verify_globals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    verify_keys: frozenset[str] = frozenset()
+    # v2: the width-1 draft-extend graphs (None: fallback steps run the N-token one), and why.
+    draft_extend_width1: Width1DraftExtend | None = None
+    draft_extend_width1_note: str = ""
 
     def cls(self, key: str) -> Any:
-        """The worker-module global a need resolved to."""
-        return self.module_globals[self.names[key]]
+        """The worker-module (or, for a ``verify_module`` need, verify-module) global."""
+        name = self.names[key]
+        return (self.verify_globals if key in self.verify_keys else self.module_globals)[name]
 
     def name(self, key: str) -> str:
         """The concrete spelling of a required need."""
@@ -491,8 +629,27 @@ def _dataclass_field_names(obj: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
 
 
+# The worker-module global whose module holds the verify body (0.5.16+: eagle_worker_common).
+VERIFY_HELPER = "run_eagle_verify"
+
+
+def verify_module_globals(module_globals: dict[str, Any]) -> dict[str, Any]:
+    """Globals of the module holding the release's verify body (the ``verify_module`` scope)."""
+    helper = module_globals.get(VERIFY_HELPER)
+    module = sys.modules.get(getattr(helper, "__module__", "")) if helper is not None else None
+    return vars(module) if module is not None else module_globals
+
+
+def _has_param(fn: Any, name: str) -> bool:
+    try:
+        return fn is not None and name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, str], bool]:
     """``has`` for resolve_needs, answered from the live worker and its module."""
+    verify_globals = verify_module_globals(module_globals)
 
     def owner_obj(owner: str) -> Any:
         return module_globals.get(owner)
@@ -501,6 +658,14 @@ def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, st
         scope = need.scope
         if scope == "module":
             return name in module_globals
+        if scope == "verify_module":
+            return name in verify_globals
+        if scope == "fn_param":
+            fn = verify_globals.get(need.owner) or module_globals.get(need.owner)
+            return _has_param(fn, name)
+        if scope == "draft_param":
+            draft = getattr(worker, "draft_worker", None)
+            return _has_param(getattr(draft, need.owner, None), name)
         if scope == "worker":
             return hasattr(type(worker), name) or hasattr(worker, name)
         if scope == "draft_worker":
@@ -513,11 +678,9 @@ def _live_has(worker: Any, module_globals: dict[str, Any]) -> Callable[[Need, st
             return obj is not None and hasattr(obj, name)
         if scope == "param":
             cls_name, method = need.owner.split(".")
-            fn = getattr(owner_obj(cls_name), method, None)
-            return fn is not None and name in inspect.signature(fn).parameters
+            return _has_param(getattr(owner_obj(cls_name), method, None), name)
         if scope == "target_param":
-            fn = worker.target_worker.forward_batch_generation
-            return name in inspect.signature(fn).parameters
+            return _has_param(worker.target_worker.forward_batch_generation, name)
         if scope == "runner_attr":
             return hasattr(worker.target_worker.model_runner, name)
         if scope == "batch_member":
@@ -539,6 +702,10 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
         return f"worker class {type(worker).__name__} (only {expected})"
     for flag, label in (
         ("enable_dp_attention", "DP attention"),
+        # 0.4.x, DeepEP MoE without DP attention: the scheduler's all-gather counts
+        # batch size * speculative_num_draft_tokens (verify tokens), so a one-token decode
+        # forward would be sized wrongly, and so would the decision
+        ("enable_sp_layernorm", "DeepEP MoE on 0.4.x (enable_sp_layernorm)"),
         ("enable_multi_layer_eagle", "multi-layer EAGLE"),
         ("enable_two_batch_overlap", "two-batch overlap"),
         ("enable_pdmux", "pdmux"),
@@ -551,12 +718,30 @@ def refusal_reason(worker: Any, variant: str) -> str | None:
     for attr in ("hybrid_gdn_config", "mamba2_config", "hybrid_lightning_config"):
         if getattr(runner, attr, None) is not None:
             return "hybrid Mamba/GDN/Lightning target"
-    if variant == "v2" and int(getattr(args, "speculative_eagle_topk", 1) or 1) != 1:
+    if variant == "v2":
+        return _v2_refusal(worker, args, runner)
+    return None
+
+
+def _v2_refusal(worker: Any, args: Any, runner: Any) -> str | None:
+    # The worker's own topk is the resolved one (0.5.19+ server_args hold the raw input).
+    topk = getattr(worker, "topk", None)
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        topk = int(getattr(args, "speculative_eagle_topk", 1) or 1)
+    if topk != 1:
         return "topk > 1 with the v2 worker"
-    if variant == "v2" and getattr(worker, "adaptive_controller", None) is not None:
-        # 0.5.12+: the scheduler feeds every v2 result's accept_lens into the adaptive EMA,
-        # so fallback steps would read as "no draft accepted" and skew it.
-        return "adaptive speculative decoding with the v2 worker"
+    if getattr(worker, "adaptive_controller", None) is not None:
+        # Two controllers would fight: SGLang's adaptive swaps the target's graph runner,
+        # attention backend and draft width per batch size, and the 0.5.12+ scheduler feeds
+        # every v2 result into its EMA. SGLang's adaptive keeps the server.
+        return (
+            "SGLang's own adaptive speculation (--speculative-adaptive) runs on this server; "
+            "relaunch without --speculative-adaptive to use the threshold"
+        )
+    if getattr(args, "enable_return_routed_experts", False):
+        return "returning routed experts (the fallback's result does not carry them)"
+    if getattr(runner, "watermark_state", None) is not None:
+        return "watermarking (the fallback's sampling does not apply it)"
     return None
 
 
@@ -609,10 +794,13 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         )
         raise Unsupported(f"this SGLang lacks {listed}")
     _check_verify_input_fields(module_globals[names["verify_input_cls"]], names)
+    needs = NEEDS_BY_VARIANT[variant]
     adapter = Adapter(
         variant=variant,
         names=names,
         module_globals=module_globals,
+        verify_globals=verify_module_globals(module_globals),
+        verify_keys=frozenset(n.key for n in needs if n.scope == "verify_module"),
         controller=DynSpecController(
             threshold,
             resume_below=getattr(worker.server_args, "speculative_disable_resume_below", None),
@@ -621,12 +809,11 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
             log=_rank0_logger(worker),
         ),
     )
-    mask_param = names["verify_vocab_mask" if variant == "v1" else "sample_vocab_mask"]
-    adapter.grammar = mask_param is not None and names["bitmask_fn"] is not None
     if variant == "v1":
+        adapter.grammar = names["verify_vocab_mask"] is not None and names["bitmask_fn"] is not None
         _resolve_v1_contract(worker, adapter)
     else:
-        _resolve_v2_contract(adapter)
+        _resolve_v2_contract(worker, adapter)
     _warn_if_never_triggers(worker, threshold)
     return adapter
 
@@ -655,13 +842,45 @@ def _resolve_v1_contract(worker: Any, adapter: Adapter) -> None:
         adapter.tuple_arity = arity
 
 
-def _resolve_v2_contract(adapter: Adapter) -> None:
+def _resolve_v2_contract(worker: Any, adapter: Adapter) -> None:
     names = adapter.names
     # Where new_seq_lens travels: on the result (0.5.13+) or on the next draft input.
     if names["gbr_new_seq_lens"] is None and names["di_new_seq_lens"] is None:
         raise Unsupported("neither GenerationBatchResult nor EagleDraftInput has new_seq_lens")
     if names["gbr_allocate_lens"] is not None and names["di_allocate_lens"] is None:
         raise Unsupported("allocate_lens on the result but not on EagleDraftInput")
+    if names["vi_sample"] is None and names["sample_fn"] is None:
+        raise Unsupported("neither EagleVerifyInput.sample nor eagle_sample")
+    adapter.draft_tp = v2_draft_tp_mode(names)
+    if adapter.draft_tp is None:
+        raise Unsupported("no draft TP context this runtime knows how to enter")
+    adapter.grammar = v2_grammar_mode(names) is not None
+    runner = worker.target_worker.model_runner
+    if names["draft_extend_kv_plan"] is not None and getattr(runner, "is_hybrid_swa", False):
+        raise Unsupported("refused: a hybrid SWA KV pool translates KV ids (0.5.22+)")
+
+
+def v2_draft_tp_mode(names: dict[str, str | None]) -> str | None:
+    """How to enter the draft TP context: the draft worker's method, or the module function."""
+    if names.get("draft_tp_layout") is not None:
+        return "fn(layout)"
+    if names.get("draft_tp_owns") is not None and names.get("draft_tp_group") is None:
+        return "fn(owns_attention)"
+    if names.get("draft_tp_context") is None:
+        return None
+    if names.get("draft_tp_owns") is not None:
+        return "method(tp_group, owns_attention)"
+    return "method(tp_group)"
+
+
+def v2_grammar_mode(names: dict[str, str | None]) -> str | None:
+    """Which grammar mask the v2 fallback can build and hand to sampling (None: speculate)."""
+    mask_param = names.get("sample_vocab_mask") or names.get("sample_fn_mask")
+    if mask_param == "grammar_mask" and names.get("grammar_mask_fn") is not None:
+        return "grammar_mask"
+    if mask_param == "vocab_mask" and names.get("bitmask_takes_vi") is not None:
+        return "bitmask"
+    return None
 
 
 def _adapter_for(worker: Any, variant: str) -> Adapter | None:
@@ -681,6 +900,9 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         return None
     adapter.profiler = _make_profiler(worker)
     _prepare_decode_graphs(adapter, worker, worker.target_worker)
+    if variant == "v2":
+        _prepare_draft_extend_width1(adapter, worker)
+    _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
 
@@ -741,34 +963,122 @@ def _new_attention_backend(model_runner: Any) -> Any:
             return model_runner.attn_backend
 
 
+def _settable(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` may be assigned (0.5.19+ seal ServerArgs after resolution)."""
+    try:
+        setattr(obj, name, getattr(obj, name))
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+# The provenance SGLang records for our changes of sealed ServerArgs (0.5.17+).
+ARGS_OVERRIDE_SOURCE = "dynspec-patch.graph-capture"
+
+
+def _can_set_args(args: Any, names: Any) -> bool:
+    """Whether these ServerArgs fields can be set: plainly, or through ``override``."""
+    return all(_settable(args, n) for n in names) or callable(getattr(args, "override", None))
+
+
+@contextlib.contextmanager
+def _server_args_set(args: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Set ServerArgs fields for the block and restore them afterwards.
+
+    Plain assignment where SGLang allows it; 0.5.17+ seal the resolved args (a bare
+    assignment raises), and ``ServerArgs.override(source, **fields)`` is their one mutation
+    point, so both the change and the restore go through it there.
+    """
+    if all(_settable(args, name) for name in values):
+        with _attributes_set(args, values):
+            yield
+        return
+    saved = {name: getattr(args, name) for name in values}
+    args.override(ARGS_OVERRIDE_SOURCE, **values)
+    try:
+        yield
+    finally:
+        args.override(ARGS_OVERRIDE_SOURCE + ".restore", **saved)
+
+
+def _hidden_capture_values(has_mode: bool) -> dict[str, Any]:
+    """FULL hidden-state capture; 0.5.17+ also has a mode, whose "last" would capture LAST."""
+    values: dict[str, Any] = {"enable_return_hidden_states": True}
+    if has_mode:
+        values["return_hidden_states_mode"] = "full"
+    return values
+
+
+def _graph_size_holders(args: Any, graph_bag: Any) -> list[tuple[Any, str]]:
+    """Where the decode graph batch sizes are read at capture: (object, attribute), distinct.
+
+    ``server_args.cuda_graph_bs`` (<= 0.5.13), ``server_args.cuda_graph_config.decode.bs``
+    (0.5.14 - 0.5.18) and ``get_exec().graph.cuda_graph_config.decode.bs`` (0.5.19+).
+    """
+    holders: list[tuple[Any, str]] = []
+    if isinstance(getattr(args, "cuda_graph_bs", None), list) and _settable(args, "cuda_graph_bs"):
+        holders.append((args, "cuda_graph_bs"))
+    for config in (args, graph_bag):
+        config = getattr(config, "cuda_graph_config", None)
+        decode = getattr(config, "decode", None)
+        known = any(decode is holder for holder, _ in holders)
+        if isinstance(getattr(decode, "bs", None), list) and not known and _settable(decode, "bs"):
+            holders.append((decode, "bs"))
+    return holders
+
+
+def _cut_graph_sizes(
+    stack: contextlib.ExitStack, args: Any, graph_bag: Any, min_batch_size: int
+) -> None:
+    """For the block of ``stack``: graph batch sizes cut to those >= ``min_batch_size`` (the
+    sizes a fallback step can have; smaller batches pad up to the first), wherever this
+    release reads them; the largest alone when none is that large."""
+    for holder, attr in _graph_size_holders(args, graph_bag):
+        sizes = getattr(holder, attr)
+        above = sorted({b for b in sizes if b >= min_batch_size}) or [max(sizes)]
+        stack.enter_context(_attributes_set(holder, {attr: above}))
+
+
 def capture_decode_graphs(
-    model_runner: Any, graph_attr: str, min_batch_size: int
+    model_runner: Any, graph_attr: str, min_batch_size: int, exec_config: Any = None
 ) -> tuple[DecodeGraphs | None, str]:
     """Capture DECODE graphs (FULL hidden capture) for the target; (None, why) if not possible.
 
     SGLang's own graph runner class is constructed while the runner looks non-speculative, on a
-    new attention backend, with ``enable_return_hidden_states`` on so the graphs return the
-    hidden states the draft-extend needs (no recapture at the first fallback step), and only
-    for the CUDA-graph batch sizes >= ``min_batch_size`` (smaller batches pad up to the first).
+    new attention backend, with hidden-state capture on so the graphs return the hidden states
+    the draft-extend needs (no recapture at the first fallback step), and only for the
+    CUDA-graph batch sizes >= ``min_batch_size`` (smaller batches pad up to the first).
+    ``exec_config`` is 0.5.19+'s ``get_exec()``, where those settings are read from.
     """
     verify_graphs = getattr(model_runner, graph_attr, None)
     if verify_graphs is None:
         return None, "CUDA graphs are off on this server"
     args = model_runner.server_args
-    if not hasattr(args, "enable_return_hidden_states"):
+    features = getattr(exec_config, "features", None)
+    on_args = hasattr(args, "enable_return_hidden_states") and _can_set_args(
+        args, ("enable_return_hidden_states",)
+    )
+    on_bag = features is not None and "enable_return_hidden_states" in features
+    if not (on_args or on_bag):
         return None, "this SGLang cannot capture hidden states in graphs"
     non_speculative = getattr(type(model_runner.spec_algorithm), "NONE", None)
     if non_speculative is None:
         return None, "SpeculativeAlgorithm has no NONE"
-    arg_values: dict[str, Any] = {"enable_return_hidden_states": True}
-    batch_sizes = getattr(args, "cuda_graph_bs", None)
-    if isinstance(batch_sizes, list) and batch_sizes:
-        above = sorted({b for b in batch_sizes if b >= min_batch_size})
-        arg_values["cuda_graph_bs"] = above or [max(batch_sizes)]
     backend = _new_attention_backend(model_runner)
     runner_values = {"spec_algorithm": non_speculative, "attn_backend": backend}
-    with _attributes_set(args, arg_values), _attributes_set(model_runner, runner_values):
+    with contextlib.ExitStack() as stack:
+        if on_args:
+            has_mode = hasattr(args, "return_hidden_states_mode")
+            stack.enter_context(_server_args_set(args, _hidden_capture_values(has_mode)))
+        if on_bag:
+            has_mode = "return_hidden_states_mode" in features
+            stack.enter_context(features.override(**_hidden_capture_values(has_mode)))
+        _cut_graph_sizes(stack, args, getattr(exec_config, "graph", None), min_batch_size)
+        stack.enter_context(_attributes_set(model_runner, runner_values))
         runner = type(verify_graphs)(model_runner)
+    mode = getattr(runner, "capture_hidden_mode", None)
+    if mode is not None and getattr(mode, "name", "FULL") != "FULL":
+        return None, f"the graphs were captured with hidden states {mode.name}, not FULL"
     captured = sorted(int(b) for b in getattr(runner, "capture_bs", []))
     return DecodeGraphs(runner=runner, attn_backend=backend, batch_sizes=captured), ""
 
@@ -781,10 +1091,12 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
     log = _rank0_logger(worker)
     started = time.perf_counter()
     try:
+        exec_config = adapter.cls("exec_config")() if adapter.names.get("exec_config") else None
         graphs, why = capture_decode_graphs(
             target_worker.model_runner,
             adapter.name("graph_attr"),
             adapter.controller.resume_below,
+            exec_config=exec_config,
         )
     except Exception as exc:  # capture failed: stay correct, run the target eagerly
         graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
@@ -816,6 +1128,463 @@ def target_decode_mode(model_runner: Any, graph_attr: str, graphs: DecodeGraphs 
         values = {graph_attr: graphs.runner, "attn_backend": graphs.attn_backend}
     with _attributes_set(model_runner, values):
         yield
+
+
+# --------------------------------------------------------------------------------------------
+# v2: the draft-extend of a fallback step at one token per request (width-1 graphs)
+# --------------------------------------------------------------------------------------------
+
+# "1" turns the width-1 draft-extend on (opt-in; otherwise the N-token one, as before).
+DRAFT_EXTEND_WIDTH1_ENV = "DYNSPEC_DRAFT_EXTEND_WIDTH1"
+# What the draft worker (and, while capturing, the server args) say for one token per request:
+# the values of SGLang's own steps-0 state (0.5.14+ ``build_adaptive_runtime_state``).
+WIDTH1_STATE: dict[str, int] = {"speculative_num_steps": 0, "speculative_num_draft_tokens": 1}
+# Attention-backend attributes that size the draft-extend metadata, and their width-1 values.
+_BACKEND_WIDTH1 = {"speculative_num_steps": 0, "num_draft_tokens": 1}
+
+
+@dataclass
+class Width1DraftExtend:
+    """SGLang's draft-extend CUDA graphs captured at one token per request."""
+
+    runner: Any
+    attn_backend: Any
+    batch_sizes: list[int]
+    # False under --disable-cuda-graph-padding: only the captured sizes replay.
+    pads_to_graph: bool = True
+    # Why a real step's width-1 call raised; set: the N-token draft-extend from then on.
+    broken: str = ""
+
+    def covers(self, batch_size: int) -> bool:
+        """Whether a batch of this size replays a width-1 graph (never SGLang's eager path)."""
+        if self.broken or not self.batch_sizes:
+            return False
+        if self.pads_to_graph:
+            return batch_size <= self.batch_sizes[-1]
+        return batch_size in self.batch_sizes
+
+
+def _server_args_objects(draft: Any) -> list[Any]:
+    """The server args of the draft worker and of its model runner, each object once."""
+    found: list[Any] = []
+    for args in (
+        getattr(draft, "server_args", None),
+        getattr(draft.draft_runner, "server_args", None),
+    ):
+        if args is not None and all(args is not seen for seen in found):
+            found.append(args)
+    return found
+
+
+def _captured_width(runner: Any) -> Any:
+    """Tokens per request a draft-extend graph runner captured (0.5.14+ names it first)."""
+    for name in ("captured_req_width", "num_tokens_per_bs"):
+        if hasattr(runner, name):
+            return getattr(runner, name)
+    return None
+
+
+def _new_draft_extend_runner(graph_cls: Any, draft: Any, backend: Any) -> Any:
+    """SGLang's draft-extend graph runner for ``draft`` on ``backend`` (this captures)."""
+    params = inspect.signature(graph_cls).parameters
+    kwargs: dict[str, Any] = {}
+    if "draft_extend_attn_backend" in params:  # 0.5.12+; older runners read the worker's
+        kwargs["draft_extend_attn_backend"] = backend
+    if "speculative_num_steps" in params:
+        kwargs["speculative_num_steps"] = WIDTH1_STATE["speculative_num_steps"]
+    return graph_cls(draft, **kwargs)
+
+
+def capture_draft_extend_width1(
+    draft: Any, graph_cls: Any, factory_cls: Any, min_batch_size: int
+) -> tuple[Width1DraftExtend | None, str]:
+    """Capture draft-extend graphs at one token per request; (None, why) if not possible.
+
+    SGLang's own graph runner class and attention-backend factory are called while the draft
+    worker and the server args say ``WIDTH1_STATE`` (as SGLang 0.5.14+ builds its steps-0
+    state under ``_override_worker_state``), on a second draft-extend attention backend, so the
+    N-token graphs and their buffers stay untouched; only for the graph batch sizes >=
+    ``min_batch_size``. Every attribute is restored afterwards, also when capture raises.
+    Called only where SGLang captured its own (N-token) draft-extend graphs.
+    """
+    args_objects = _server_args_objects(draft)
+    with contextlib.ExitStack() as stack:
+        for args in args_objects:
+            stack.enter_context(_server_args_set(args, WIDTH1_STATE))
+            _cut_graph_sizes(stack, args, None, min_batch_size)
+        stack.enter_context(_attributes_set(draft, WIDTH1_STATE))
+        factory = factory_cls(
+            draft.server_args, draft.draft_runner, draft.topk, WIDTH1_STATE["speculative_num_steps"]
+        )
+        backend = factory.create_draft_extend_backend()
+        if backend is None:
+            return None, "SGLang made no draft-extend attention backend"
+        stack.enter_context(_attributes_set(draft, {"draft_extend_attn_backend": backend}))
+        runner = _new_draft_extend_runner(graph_cls, draft, backend)
+    width = _captured_width(runner)
+    if width != 1:
+        return None, f"the graph runner captured {width} tokens per request, not 1"
+    widths = {name: getattr(backend, name) for name in _BACKEND_WIDTH1 if hasattr(backend, name)}
+    if not widths:  # nothing to check it against: fail closed
+        return None, f"{type(backend).__name__} shows no draft-extend width to check"
+    for name, value in widths.items():
+        if value != _BACKEND_WIDTH1[name]:
+            return None, f"the new attention backend has {name}={value}"
+    sizes = sorted(int(b) for b in getattr(runner, "capture_bs", []))
+    pads = not getattr(runner, "disable_padding", False)
+    return Width1DraftExtend(runner, backend, sizes, pads_to_graph=pads), ""
+
+
+def _replays_draft_extend_graphs(draft: Any) -> bool:
+    """Whether the draft worker's ``_draft_extend_for_decode`` reads its graph runner.
+
+    0.5.5.post2 captures draft-extend graphs but its draft-extend never replays them: a
+    width-1 graph would only cost memory there.
+    """
+    try:
+        source = inspect.getsource(draft._draft_extend_for_decode)
+    except (OSError, TypeError):
+        return False
+    return "cuda_graph_runner_for_draft_extend" in source
+
+
+def _all_ranks_agree(tp_group: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of ``tp_group`` (one CPU all-reduce when TP > 1).
+
+    A rank that cannot ask the others answers False, as every rank of that server does.
+    """
+    if int(getattr(tp_group, "world_size", 1) or 1) <= 1:
+        return ok
+    cpu_group = getattr(tp_group, "cpu_group", None)
+    if cpu_group is None:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(flag[0])
+
+
+_WIDTH1_NEEDS = (
+    "draft_extend_graph_cls",
+    "draft_backend_factory",
+    "draft_extend_graph_attr",
+    "draft_extend_backend_attr",
+)
+
+
+def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
+    """Capture the width-1 draft-extend graphs once per process; failures keep the N-token one."""
+    if os.environ.get(DRAFT_EXTEND_WIDTH1_ENV, "0").strip() != "1":
+        # Opt-in: on an H200 with SGLang 0.5.17 the width-1 capture hit an illegal memory
+        # access, which no exception handler survives (the server died); it has not run on a
+        # GPU with any other release yet.
+        adapter.draft_extend_width1_note = f"off (opt in: {DRAFT_EXTEND_WIDTH1_ENV}=1)"
+        return
+    draft = worker.draft_worker
+    started = time.perf_counter()
+    missing = [
+        n.candidates[0] for n in V2_NEEDS if n.key in _WIDTH1_NEEDS and not adapter.names[n.key]
+    ]
+    graphs: Width1DraftExtend | None = None
+    if missing:
+        why = "this SGLang lacks " + ", ".join(missing)
+    elif getattr(draft, "cuda_graph_runner_for_draft_extend", None) is None:
+        why = "this server runs its draft-extend without a CUDA graph"
+    elif not _replays_draft_extend_graphs(draft):
+        why = "this SGLang's _draft_extend_for_decode never replays a graph (0.5.5: eager)"
+    else:
+        try:
+            with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
+                graphs, why = capture_draft_extend_width1(
+                    draft,
+                    adapter.cls("draft_extend_graph_cls"),
+                    adapter.cls("draft_backend_factory"),
+                    adapter.controller.resume_below,
+                )
+        except Exception as exc:  # capture failed: stay correct with the N-token draft-extend
+            graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
+        if not _all_ranks_agree(draft.draft_runner.tp_group, graphs is not None) and graphs:
+            graphs, why = None, "another TP rank could not capture them"
+    if graphs is None:
+        adapter.draft_extend_width1_note = f"N-token draft-extend ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] width-1 draft-extend graphs not used: {why}; fallback steps run the "
+            f"{int(worker.speculative_num_draft_tokens)}-token draft-extend"
+        )
+        return
+    adapter.draft_extend_width1 = graphs
+    adapter.draft_extend_width1_note = f"width-1 draft-extend graphs for bs {graphs.batch_sizes}"
+    _rank0_logger(worker)(
+        f"[dynspec] captured width-1 draft-extend graphs for bs {graphs.batch_sizes} in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+
+
+@contextlib.contextmanager
+def draft_extend_width1_mode(draft: Any, graphs: Width1DraftExtend) -> Iterator[None]:
+    """The draft worker runs its draft-extend at one token per request for the block.
+
+    Its width, its draft-extend graph runner and attention backend are the width-1 ones; all
+    are back as they were afterwards, also when the block raises. The scheduler never sees the
+    swap: it reads the stride from the result or from ``EAGLEWorkerV2`` between steps.
+    """
+    values = {
+        **WIDTH1_STATE,
+        "cuda_graph_runner_for_draft_extend": graphs.runner,
+        "draft_extend_attn_backend": graphs.attn_backend,
+    }
+    with _attributes_set(draft, values):
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Warm-up at start-up: what the first real replays would compile, compiled before them
+# --------------------------------------------------------------------------------------------
+
+# "0": no warm-up replays (the first fallback steps then compile what they need).
+WARMUP_ENV = "DYNSPEC_WARMUP"
+# No new warm-up replay starts after this many seconds (default 10).
+WARMUP_BUDGET_ENV = "DYNSPEC_WARMUP_BUDGET_S"
+DEFAULT_WARMUP_BUDGET_S = 10.0
+FORWARD_BATCH_MODULE = "sglang.srt.model_executor.forward_batch_info"
+
+
+def warmup_order(batch_sizes: list[int]) -> list[int]:
+    """The sizes to replay at warm-up, one of each Triton specialisation first.
+
+    A replay runs SGLang's eager attention-metadata kernels (the triton backend's
+    ``get_num_kv_splits_triton`` in DECODE mode, on int32 buffers no speculative step hands
+    it), and Triton compiles a kernel once per specialisation of its integer arguments (== 1,
+    divisible by 16) and of its block constant (``MAX_NUM_SEQ``: 256 or the next power of two
+    above). One size of each class first: a budget that runs out then skips only sizes whose
+    kernels are already compiled.
+    """
+
+    def key(bs: int) -> tuple[bool, bool, int]:
+        return bs == 1, bs % 16 == 0, max(256, 1 << (bs - 1).bit_length())
+
+    firsts: list[int] = []
+    rest: list[int] = []
+    seen: set[tuple[bool, bool, int]] = set()
+    for bs in sorted(set(batch_sizes)):
+        (rest if key(bs) in seen else firsts).append(bs)
+        seen.add(key(bs))
+    return firsts + rest
+
+
+class _PaddingBatch:
+    """Attributes of a warm-up batch where SGLang has no dataclass to hold them.
+
+    A field that is not set reads as None, as in a batch that leaves it unset.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def _dataclass_instance(cls: Any, values: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` with ``values``, every other field at its default
+    (None where it has none), without running its ``__init__`` / ``__post_init__``."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+def _padding_batch(runner: Any, bs: int, device: Any, forward_mode: Any, **extra: Any) -> Any:
+    """A forward batch of ``bs`` padding rows only, for a warm-up replay of ``runner``.
+
+    Each row reads request-pool row 0 for ``seq_len_fill_value`` tokens and writes its KV to
+    slot 0, which SGLang reserves for padding: what the padded rows of every real replay do.
+    It is SGLang's own ForwardBatch (every other field at its default) where there is one.
+    """
+    import torch
+
+    fill = int(getattr(runner, "seq_len_fill_value", 1) or 1)
+
+    def zeros() -> Any:
+        return torch.zeros(bs, dtype=torch.int64, device=device)
+
+    values = {
+        "forward_mode": forward_mode,
+        "batch_size": bs,
+        "input_ids": zeros(),
+        "req_pool_indices": zeros(),
+        "seq_lens": torch.full((bs,), fill, dtype=torch.int64, device=device),
+        "seq_lens_cpu": torch.full((bs,), fill, dtype=torch.int64),
+        "seq_lens_sum": bs * fill,
+        "out_cache_loc": zeros(),
+        "positions": zeros(),
+        "num_token_non_padded": torch.tensor(bs, dtype=torch.int32, device=device),
+        **extra,
+    }
+    forward_batch_cls = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardBatch", None)
+    if dataclasses.is_dataclass(forward_batch_cls):
+        return _dataclass_instance(forward_batch_cls, values)
+    return _PaddingBatch(**values)
+
+
+def _padding_hidden(runner: Any, rows: int) -> Any:
+    """Zero hidden states as wide as a draft-extend graph's input buffer (None: unknown)."""
+    buffers = getattr(runner, "buffers", runner)
+    buffer = getattr(buffers, "hidden_states", None)
+    if buffer is None or not hasattr(buffer, "new_zeros"):
+        return None
+    return buffer.new_zeros((rows, *buffer.shape[1:]))
+
+
+def _forward_mode(name: str) -> Any:
+    """SGLang's ForwardMode member ``name``."""
+    modes = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardMode", None)
+    return getattr(modes, name)
+
+
+def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """(kind, call) for every warm-up step, in order: clamp_position, DECODE, width-1 extend."""
+    import torch
+
+    target_runner = worker.target_worker.model_runner
+    device = getattr(target_runner, "device", "cuda")
+    replays: list[tuple[str, Callable[[], Any]]] = []
+    decode = adapter.decode_graphs
+    if decode is not None:
+        # The fallback's DECODE ForwardBatch.init_new computes positions with clamp_position, a
+        # JIT kernel (0.5.10+; torch.compile before) that no speculative step calls.
+        clamp = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "clamp_position", None)
+        if clamp is not None:
+            rows = max([2, *decode.batch_sizes])  # > 1: torch.compile specialises 0 and 1
+            seq_lens = torch.full((rows,), 2, dtype=torch.int64, device=device)
+            replays.append(("clamp_position", functools.partial(clamp, seq_lens)))
+        graph_attr = adapter.name("graph_attr")
+        # The runner's own modes (IntEnums: NULL is 0, so no ``or``): no recapture at warm-up.
+        mode = getattr(decode.runner, "capture_forward_mode", None)
+        if mode is None:
+            mode = _forward_mode("DECODE")
+        hidden_mode = getattr(decode.runner, "capture_hidden_mode", None)
+        if hidden_mode is None:
+            hidden_mode = adapter.cls("capture_mode_cls").FULL
+
+        def replay_decode(bs: int) -> None:
+            batch = _padding_batch(
+                decode.runner, bs, device, mode, capture_hidden_mode=hidden_mode, spec_info=None
+            )
+            with target_decode_mode(target_runner, graph_attr, decode):
+                decode.runner.replay(batch)
+
+        replays += [
+            ("DECODE", functools.partial(replay_decode, bs))
+            for bs in warmup_order(decode.batch_sizes)
+        ]
+    width1 = adapter.draft_extend_width1
+    if width1 is not None:
+        draft = worker.draft_worker
+
+        def replay_extend(bs: int) -> None:
+            spec_info = _PaddingBatch(hidden_states=_padding_hidden(width1.runner, bs))
+            batch = _padding_batch(
+                width1.runner, bs, device, width1.runner.forward_mode, spec_info=spec_info
+            )
+            contexts = _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group)
+            with contexts, draft_extend_width1_mode(draft, width1):
+                width1.runner.replay(batch)
+
+        replays += [
+            ("width-1 draft-extend", functools.partial(replay_extend, bs))
+            for bs in warmup_order(width1.batch_sizes)
+        ]
+    return replays
+
+
+def run_warmup(
+    replays: list[tuple[str, Callable[[], Any]]],
+    budget_s: float,
+    stop_together: Callable[[bool], bool],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, list[str], str]:
+    """Run ``replays`` in order; (how many ran, what raised, why it stopped early or "").
+
+    No replay starts after ``budget_s`` seconds. One that raises is reported and the others
+    still run (what it would have compiled then compiles at its first real use).
+    ``stop_together(flag)`` answers whether any rank wants to stop, so every TP rank stops
+    before the same replay (a replay of a TP model runs collectives; time differs by rank).
+    """
+    started = clock()
+    done, errors = 0, []
+    for kind, call in replays:
+        late = clock() - started > budget_s
+        if stop_together(late):
+            why = f"the {budget_s:g}s budget ran out" if late else "another TP rank stopped"
+            return done, errors, why
+        try:
+            call()
+        except Exception as exc:  # never break the server
+            errors.append(f"a {kind} replay raised {type(exc).__name__}: {exc}")
+        else:
+            done += 1
+    return done, errors, ""
+
+
+def _warmup_budget() -> float:
+    raw = os.environ.get(WARMUP_BUDGET_ENV, "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_WARMUP_BUDGET_S
+    except ValueError:
+        return DEFAULT_WARMUP_BUDGET_S
+
+
+def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
+    """Replay each graph a fallback step uses once, at start-up (bounded; one log line)."""
+    if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
+        return
+    if os.environ.get(WARMUP_ENV, "0").strip() != "1":
+        return  # opt-in: its replays have not yet run on a GPU (0.5.17's runner has no replay())
+    started = time.perf_counter()
+    budget = _warmup_budget()
+    tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
+    try:
+        replays = _warmup_replays(adapter, worker)
+        done, errors, why = run_warmup(
+            replays, budget, lambda stop: not _all_ranks_agree(tp_group, not stop)
+        )
+        _synchronize(getattr(worker.target_worker.model_runner, "device", "cpu"))
+    except Exception as exc:  # building the replays failed: the first real steps compile
+        replays, done, errors, why = [], 0, [f"{type(exc).__name__}: {exc}"], ""
+    counts = collections.Counter(kind for kind, _ in replays)
+    kinds = ", ".join(f"{kind} {n}" for kind, n in counts.items()) or "none"
+    line = (
+        f"[dynspec] warm-up replays at start-up: {done}/{len(replays)} ok ({kinds}) in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+    if errors:
+        line += f"; {len(errors)} raised, the first: {errors[0]}"
+    if why:
+        line += f"; stopped early: {why}"
+    level = logging.WARNING if errors or why else logging.INFO
+    _rank0_logger(worker, level)(line)
+
+
+def _synchronize(device: Any) -> None:
+    """Wait for the warm-up's device work (start-up only; never inside a step)."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cpu":
+        torch.get_device_module(kind).synchronize()
 
 
 # --------------------------------------------------------------------------------------------
@@ -959,9 +1728,7 @@ def _one_node_verify_input(adapter: Adapter, root: Any, batch: Any, seq_lens_cpu
         "vi_capture_mode": adapter.cls("capture_mode_cls").FULL,
         "vi_topk": 1,
         # Only the TARGET_VERIFY batch reads these two; set them as the worker's draft() does.
-        "vi_seq_lens_sum": int(
-            (seq_lens_cpu if seq_lens_cpu is not None else batch.seq_lens).sum()
-        ),
+        "vi_seq_lens_sum": _host_seq_lens_sum(batch, seq_lens_cpu, 0),
         "vi_seq_lens_cpu": seq_lens_cpu,
     }
     kwargs = {names[k]: v for k, v in values.items() if names.get(k) is not None}
@@ -988,10 +1755,12 @@ def _grammar_mask(adapter: Adapter, batch: Any, vi: Any, device: Any) -> Any:
 
 def _target_decode(adapter: Adapter, worker_batch: Any, target_worker: Any) -> tuple[Any, bool]:
     """Target forward of a DECODE batch on the DECODE graphs (or eagerly): (logits, graph?)."""
-    kwarg = adapter.name("target_kwarg")
+    kwargs: dict[str, Any] = {adapter.name("target_kwarg"): True}
+    if adapter.names.get("target_capture_kwarg") is not None:  # 0.5.16+: not read off the batch
+        kwargs["capture_hidden_mode"] = adapter.cls("capture_mode_cls").FULL
     runner = target_worker.model_runner
     with target_decode_mode(runner, adapter.name("graph_attr"), adapter.decode_graphs):
-        out = target_worker.forward_batch_generation(worker_batch, **{kwarg: True})
+        out = target_worker.forward_batch_generation(worker_batch, **kwargs)
     if isinstance(out, tuple):  # 0.4.x: (logits, next_token_ids[, can_run_cuda_graph])
         return out[0], bool(out[2]) if len(out) > 2 else False
     return out.logits_output, bool(out.can_run_cuda_graph)
@@ -1130,15 +1899,17 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# v2: EAGLEWorkerV2 (0.5.4 - 0.5.13.post1; 0.5.14+ has the native steps=0 path)
+# v2: EAGLEWorkerV2 (0.5.4 - 0.5.23)
 # --------------------------------------------------------------------------------------------
 
 
 def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     """Run one fallback decode step for ``EAGLEWorkerV2`` and return its result, or None.
 
-    ``batch`` is the ModelWorkerBatch (<= 0.5.12.post1) or ScheduleBatch (0.5.13.x) the worker
-    received; ``kwargs`` are the worker's other parameters (``on_publish`` in 0.5.13.x).
+    ``batch`` is the ModelWorkerBatch (<= 0.5.12.post1) or ScheduleBatch (0.5.13+) the worker
+    received; ``kwargs`` are the worker's other parameters: ``on_publish`` (0.5.13+),
+    ``grammar_barrier`` (0.5.17+), ``pp_proxy_tensors`` (0.5.19+; pipeline parallelism is
+    refused, so it is always None here).
     """
     adapter = _adapter_for(worker, "v2")
     if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
@@ -1151,15 +1922,18 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     if not _decide(adapter, batch):
         return None
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
-    result = _v2_step(worker, adapter, batch, kwargs.get("on_publish"))
+    result = _v2_step(
+        worker, adapter, batch, kwargs.get("on_publish"), kwargs.get("grammar_barrier")
+    )
     adapter.profiler.finish()
     return result
 
 
-def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
+def _v2_step(
+    worker: Any, adapter: Adapter, batch: Any, on_publish: Any, grammar_barrier: Any = None
+) -> Any:
     import torch
 
-    names = adapter.names
     draft_input = batch.spec_info  # the FutureMap has already been resolved into it
     root = getattr(draft_input, adapter.name("root_field")).to(torch.int64)
     bs = len(batch.seq_lens)
@@ -1192,9 +1966,7 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
     if seq_lens_cpu is not None:
         decode_batch.seq_lens_cpu = seq_lens_cpu + 1
-        decode_batch.seq_lens_sum = int(decode_batch.seq_lens_cpu.sum())
-    else:
-        decode_batch.seq_lens_sum = int(decode_batch.seq_lens.sum())
+    decode_batch.seq_lens_sum = _host_seq_lens_sum(batch, seq_lens_cpu, bs)
     decode_batch.spec_info = None
     decode_batch.capture_hidden_mode = adapter.cls("capture_mode_cls").FULL
     adapter.profiler.mark("prepare")
@@ -1204,19 +1976,17 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
     # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
     batch.input_ids = root  # as SGLang's verify does (input = the tree); sample() reads it
-    sample_args = [batch, logits_output]
-    if names["sample_vocab_mask"] is not None:
-        mask = _grammar_mask(adapter, batch, vi, device) if _has_grammar(batch) else None
-        sample_args.append(mask)
-    predict, accept_lens, _ = vi.sample(*sample_args)
+    predict, accept_lens = _v2_sample(adapter, vi, batch, logits_output, grammar_barrier)
     adapter.profiler.mark("sample")
 
-    # 3) pad back to the stride the scheduler and the draft-extend graph read
-    padded_tokens = predict.new_zeros(bs * stride)
-    padded_tokens[::stride] = predict
+    # 3) the result, padded to the stride N where the scheduler reads the worker's stride (or
+    #    the width-1 draft-extend is off); unpadded where it travels on the result
     hidden = logits_output.hidden_states
-    padded_hidden = hidden.new_zeros((bs * stride, hidden.shape[1]))
-    padded_hidden[::stride] = hidden
+    width1 = adapter.draft_extend_width1
+    if width1 is not None and not width1.covers(bs):
+        width1 = None
+    out_stride = 1 if width1 is not None and adapter.names["gbr_stride"] is not None else stride
+    tokens = predict if out_stride == 1 else _rows_padded(predict, stride)
     if batch.return_logprob:
         _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
     new_seq_lens = batch.seq_lens + accept_lens
@@ -1224,25 +1994,177 @@ def _v2_step(worker: Any, adapter: Adapter, batch: Any, on_publish: Any) -> Any:
         adapter,
         draft_input,
         logits_output,
-        padded_tokens,
+        tokens,
         accept_lens,
         new_seq_lens,
         can_run_graph,
-        stride,
+        out_stride,
         keep_alive=decode_batch,
     )
     if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
         on_publish(new_seq_lens)
     adapter.profiler.mark("pad_result")
 
-    # 4) draft KV sync with the existing N-token draft-extend; only row i*N is real
-    batch.out_cache_loc = slots.reshape(-1)
-    logits_output.hidden_states = padded_hidden
-    draft = worker.draft_worker
-    with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
-        draft._draft_extend_for_decode(batch, result)
-    adapter.profiler.mark("draft_extend")
+    # 4) draft KV sync: the width-1 draft-extend, else the N-token one (only row i*N is real)
+    phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
+    adapter.profiler.mark(phase)
     return result
+
+
+def _host_seq_lens_sum(batch: Any, seq_lens_cpu: Any, extra: int) -> int | None:
+    """``sum(seq_lens) + extra`` from what SGLang keeps on the host: no device sync.
+
+    Its CPU copy of seq_lens (every v2 release up to 0.5.12.post1 has one), else its int
+    ``seq_lens_sum``; None when it keeps neither, as 0.5.13's sync-free decode itself does.
+    """
+    if seq_lens_cpu is not None:
+        return int(seq_lens_cpu.sum()) + extra
+    total = getattr(batch, "seq_lens_sum", None)
+    return total + extra if isinstance(total, int) else None
+
+
+def _rows_padded(rows: Any, stride: int) -> Any:
+    """``rows`` at rows 0, stride, 2 * stride, ... of zeros ``stride`` times as long."""
+    padded = rows.new_zeros((rows.shape[0] * stride, *rows.shape[1:]))
+    padded[::stride] = rows
+    return padded
+
+
+def _result_view(result: Any, tokens: Any, hidden: Any) -> Any:
+    """A shallow copy of ``result`` whose draft-extend inputs are ``tokens`` and ``hidden``.
+
+    Its ``next_draft_input`` is the result's own, so the draft-extend fills the one the
+    scheduler gets.
+    """
+    view = copy.copy(result)
+    view.logits_output = copy.copy(result.logits_output)
+    view.logits_output.hidden_states = hidden
+    view.next_token_ids = tokens
+    return view
+
+
+def _v2_draft_extend(
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    result: Any,
+    slots: Any,
+    predict: Any,
+    hidden: Any,
+    width1: Width1DraftExtend | None,
+) -> str:
+    """Keep the draft KV warm through the draft worker's own draft-extend; the phase it ran."""
+    draft = worker.draft_worker
+    stride = int(worker.speculative_num_draft_tokens)
+    with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
+        if width1 is not None and _draft_extend_width1_step(
+            worker, draft, batch, result, slots, predict, hidden, width1
+        ):
+            return "draft_extend_w1"
+        batch.out_cache_loc = slots.reshape(-1)
+        if result.next_token_ids.shape[0] == predict.shape[0] * stride:
+            result.logits_output.hidden_states = _rows_padded(hidden, stride)
+            draft._draft_extend_for_decode(batch, result)
+        else:  # an unpadded (stride-1) result whose width-1 draft-extend just failed
+            wide = _result_view(result, _rows_padded(predict, stride), _rows_padded(hidden, stride))
+            draft._draft_extend_for_decode(batch, wide)
+    return "draft_extend"
+
+
+def _draft_extend_width1_step(
+    worker: Any,
+    draft: Any,
+    batch: Any,
+    result: Any,
+    slots: Any,
+    predict: Any,
+    hidden: Any,
+    width1: Width1DraftExtend,
+) -> bool:
+    """The draft-extend at one token per request; False when it raised (the batch restored).
+
+    Each request's one real token goes in at position L, slot L, with the target's hidden
+    state of L: row i * N of the N-token draft-extend. Its ``accept_lens`` (1) select that row,
+    so the next draft input gets the same topk and hidden state. After a failure every later
+    step runs the N-token draft-extend (one warning).
+    """
+    if not hasattr(batch, "__dict__"):
+        return False
+    snapshot = dict(vars(batch))  # prepare_for_extend_to_fill_draft_kvcache rebinds fields
+    narrow = result
+    if result.next_token_ids.shape[0] != predict.shape[0]:
+        narrow = _result_view(result, predict, hidden)
+    batch.out_cache_loc = slots[:, 0].contiguous()
+    try:
+        with draft_extend_width1_mode(draft, width1):
+            draft._draft_extend_for_decode(batch, narrow)
+    except Exception as exc:  # stay correct: the N-token draft-extend redoes the same rows
+        vars(batch).clear()
+        vars(batch).update(snapshot)
+        width1.broken = f"{type(exc).__name__}: {exc}"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] width-1 draft-extend failed at bs={predict.shape[0]} ({width1.broken}); "
+            "fallback steps run the N-token draft-extend from now on"
+        )
+        return False
+    return True
+
+
+def _v2_sample(
+    adapter: Adapter, vi: Any, batch: Any, logits_output: Any, grammar_barrier: Any
+) -> tuple[Any, Any]:
+    """(predict, accept_lens) from the release's sampler, with the grammar mask it takes."""
+    names = adapter.names
+    mask = None
+    if adapter.grammar and _has_grammar(batch):
+        if v2_grammar_mode(names) == "grammar_mask":
+            mask = _v2_grammar_mask(adapter, batch, vi, grammar_barrier)
+        else:
+            mask = _grammar_mask(adapter, batch, vi, vi.draft_token.device)
+    if names["sample_fn"] is not None:
+        args = [vi, batch, logits_output]
+        if names["sample_fn_mask"] is not None:
+            args.append(mask)
+        predict, accept_lens, _ = adapter.cls("sample_fn")(*args)
+        return predict, accept_lens
+    args = [batch, logits_output]
+    if names["sample_vocab_mask"] is not None:
+        args.append(mask)
+    predict, accept_lens, _ = vi.sample(*args)
+    return predict, accept_lens
+
+
+def _v2_grammar_mask(adapter: Adapter, batch: Any, vi: Any, grammar_barrier: Any) -> Any:
+    """0.5.17+: a GrammarMask over the one-node tree, after the scheduler's grammar barrier."""
+    next_token = getattr(vi, adapter.name("vi_next_token"))
+    tree = adapter.cls("grammar_tree_cls").from_device(
+        next_token,
+        getattr(vi, adapter.name("vi_next_sibling")),
+        vi.draft_token.view(next_token.shape),
+    )
+    return adapter.cls("grammar_mask_fn")(
+        reqs=batch.reqs,
+        tree=tree,
+        sampling_info=batch.sampling_info,
+        device=next_token.device,
+        barrier=grammar_barrier,
+    )
+
+
+def _v2_draft_tp(adapter: Adapter, draft: Any) -> tuple[Callable[[Any], Any], Any]:
+    """(context factory, its argument) for the draft TP context, as that release enters it."""
+    mode = adapter.draft_tp
+    if mode == "fn(layout)":
+        return adapter.cls("draft_tp_fn"), draft.parallel_layout
+    if mode == "fn(owns_attention)":
+        return adapter.cls("draft_tp_fn"), draft.draft_owns_attention
+    if mode == "method(tp_group, owns_attention)":
+        owns = draft.draft_owns_attention
+        return (
+            lambda group: draft.draft_tp_context(group, owns_attention=owns),
+            draft.draft_runner.tp_group,
+        )
+    return draft.draft_tp_context, draft.draft_runner.tp_group
 
 
 def _v2_logprobs(
@@ -1256,6 +2178,8 @@ def _v2_logprobs(
     accept_index[:, 0] = torch.arange(bs, dtype=torch.int32, device=predict.device)
     if adapter.names["logprob_method"] is not None:
         worker._compute_spec_v2_logprobs(batch, logits_output, predict, accept_index)
+    elif adapter.names["logprob_fn"] == "compute_spec_logprobs":  # 0.5.19+
+        adapter.cls("logprob_fn")(batch, logits_output, predict, accept_index=accept_index)
     elif adapter.names["logprob_fn"] is not None:
         adapter.cls("logprob_fn")(batch, logits_output, predict, accept_index, steps)
     # Neither helper: that release's spec v2 path returns no logprobs either.

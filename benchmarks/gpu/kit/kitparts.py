@@ -232,6 +232,8 @@ def resolve(release: str, dl: Downloader, carry: list[dict], pins: dict, host: d
     for row in carry:
         if row["mode"] == "release":
             continue
+        if row["mode"] == "declared" and not declared.intersection(row["names"]):
+            continue  # carried only for the releases that require it
         name = next((n for n in row["names"] if n in declared), row["names"][0])
         rows.append(dict(row, name=name))
     chosen: dict[str, Dist] = {}

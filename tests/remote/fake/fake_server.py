@@ -17,7 +17,11 @@ discovery finds the real package dir and the real version. The server:
 
 Faults (environment): FAKE_SGLANG_FAIL_START, FAKE_SGLANG_FAIL_IF_PATCHED,
 FAKE_SGLANG_UNHEALTHY_IF_PATCHED, FAKE_SGLANG_STARTUP_DELAY (s), FAKE_SGLANG_IGNORE_TERM,
-FAKE_SGLANG_CHILD (spawn a child that ignores SIGTERM), FAKE_SGLANG_NO_INFO (info endpoints 404).
+FAKE_SGLANG_CHILD (spawn a child that ignores SIGTERM), FAKE_SGLANG_NO_INFO (info endpoints 404),
+FAKE_SGLANG_MODEL_INFO_SECONDS (each model-info answer waits that long: sglang-router reads it
+before it lists a worker it was asked to add).
+
+On SIGTERM the server logs how many requests it still had in flight.
 """
 
 from __future__ import annotations
@@ -192,6 +196,7 @@ def main() -> None:
     model_info = {"model_path": server_args.get("model_path"), "is_generation": True}
     model_endpoints = ["/model_info"] if v >= (0, 5, 6, 0) else ["/get_model_info"]
     generate_seconds = float(ENV.get("FAKE_SGLANG_GENERATE_SECONDS", "0"))
+    model_info_seconds = float(ENV.get("FAKE_SGLANG_MODEL_INFO_SECONDS", "0"))
     in_flight = [0]
     lock = threading.Lock()
 
@@ -220,6 +225,7 @@ def main() -> None:
             elif self.path in endpoints:
                 self._send(200, json.dumps(info).encode())
             elif self.path in model_endpoints:
+                time.sleep(model_info_seconds)
                 self._send(200, json.dumps(model_info).encode())
             elif self.path == "/get_load" and v >= (0, 4, 10, 0):
                 self._send(200, json.dumps([loads()]).encode())
@@ -237,7 +243,8 @@ def main() -> None:
                 try:
                     time.sleep(generate_seconds)
                     self._send(200, json.dumps({"text": " pong", "meta_info": {
-                        "id": self.headers.get("x-request-id"), "fake_pid": os.getpid()}})
+                        "id": self.headers.get("x-request-id"), "fake_pid": os.getpid(),
+                        "fake_port": server_args["port"]}})
                         .encode())
                 finally:
                     with lock:
@@ -248,6 +255,8 @@ def main() -> None:
     httpd = ThreadingHTTPServer((server_args["host"], server_args["port"]), Handler)
 
     def stop(*_: object) -> None:
+        with lock:
+            print(f"SIGTERM with {in_flight[0]} request(s) in flight", flush=True)
         raise SystemExit(0)
 
     if not ENV.get("FAKE_SGLANG_IGNORE_TERM"):

@@ -9,6 +9,9 @@ CHECK is one of:
   steps         fallback decode steps end to end through the real worker entry (v1 or v2)
   at_threshold  bs == T: the hook returns None and the worker's own body runs
   cycle         spec -> fallback -> spec through the worker's real speculative path
+  steps_graphs  v2 "steps" with draft-extend graphs (harness/cpu_graphs.py): the
+                runtime captures width-1 ones and fallback steps replay them
+  cycle_graphs  v2 "cycle" with the same graphs
   all           every check above for VARIANT, each reported separately (what pytest runs)
 
 The JSON goes to stdout's last line; the pytest side asserts on it. Nothing is asserted here
@@ -19,14 +22,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import inspect
 import json
+import logging
 import sys
 import textwrap
 import traceback
 from types import SimpleNamespace
 from typing import Any
 
+import cpu_graphs
 import torch
 import world
 from cpu_device import CudaAsCpu
@@ -88,6 +94,7 @@ def check_wiring(variant: str) -> dict[str, Any]:
         setattr(bound_fallback, hook_name, original)
     args, kwargs = seen[0] if seen else ((), {})
     return {
+        "live_names": _live_module_names(release) if variant == "v2" else {},
         "entry": entry,
         "first_statements": first_statements(method, 2),
         "fallback_module_file": getattr(bound_fallback, "__file__", None),
@@ -103,6 +110,22 @@ def check_wiring(variant: str) -> dict[str, Any]:
         "cli_flag_value": getattr(parsed, "speculative_disable_batch_threshold", "MISSING"),
         "kernel_placements": release.kernel_placements,
     }
+
+
+# Need scopes answered from module globals and classes alone (no worker instance needed).
+MODULE_SCOPES = ("module", "verify_module", "fn_param", "fields", "member", "param")
+
+
+def _live_module_names(release: world.Release) -> dict[str, Any]:
+    """What the installed runtime resolves, from the real modules, for the module-level needs
+    (the pytest side compares it with the static probe of the same tree)."""
+    fallback = release.fallback_mod
+    needs = tuple(n for n in fallback.V2_NEEDS if n.scope in MODULE_SCOPES)
+    worker = object.__new__(release.worker_cls)
+    names, missing = fallback.resolve_needs(
+        needs, fallback._live_has(worker, vars(release.worker_mod))
+    )
+    return {"names": names, "missing": [n.key for n in missing]}
 
 
 def _snapshot_reqs(batch: Any) -> list[dict[str, Any]]:
@@ -365,7 +388,64 @@ def _v2_run_step(release: Any, worker: Any, batch: Any, batch_ref: list[Any],
     return step
 
 
-def check_v2_steps(steps: int) -> dict[str, Any]:
+GRAPH_BS = [1, 2, 4]  # draft-extend graph sizes with graphs=True: a batch of 3 pads to 4
+
+
+@contextlib.contextmanager
+def _draft_extend_graphs(release: Any, worker: Any, on: bool) -> Any:
+    """With ``on``: the draft worker replays draft-extend "graphs" (harness/
+    cpu_graphs.py), so the runtime captures and uses its width-1 ones."""
+    if not on:
+        yield None
+        return
+    saved = cpu_graphs.install(release, worker, GRAPH_BS)
+    try:
+        yield saved
+    finally:
+        cpu_graphs.uninstall(release, saved)
+
+
+def _graph_report(release: Any, worker: Any, installed: dict[str, Any]) -> dict[str, Any]:
+    """What the runtime made of the graphs, every replay of them, and its log lines."""
+    adapter = release.fallback_mod._adapters.get(release.worker_cls)
+    decode = getattr(adapter, "decode_graphs", None)
+    width1 = getattr(adapter, "draft_extend_width1", None)
+    n_token = worker.draft_worker.cuda_graph_runner_for_draft_extend
+    report: dict[str, Any] = {
+        "note": getattr(adapter, "draft_extend_width1_note", None),
+        "n_token_width": cpu_graphs.captured_width(n_token) if n_token else None,
+        "n_token_replays": list(getattr(n_token, "replayed", [])),
+        "width1": None,
+        "decode": None,
+        "clamp_position_calls": installed["clamp_calls"],
+        "log": list(_LOG_LINES),
+    }
+    if decode is not None:
+        runner = decode.runner
+        report["decode"] = {
+            "batch_sizes": decode.batch_sizes,
+            "num_tokens_per_bs": runner.num_tokens_per_bs,
+            "capture_forward_mode": runner.capture_forward_mode.name,
+            "capture_hidden_mode": runner.capture_hidden_mode.name,
+            "captures": runner.captures,
+            "backend": decode.attn_backend.label,
+            "replays": runner.replayed,
+        }
+    if width1 is not None:
+        backend = width1.attn_backend
+        report["width1"] = {
+            "captured_width": cpu_graphs.captured_width(width1.runner),
+            "batch_sizes": width1.batch_sizes,
+            "backend_widths": [backend.speculative_num_steps, backend.num_draft_tokens],
+            "backend_is_new": backend is not worker.draft_worker.draft_extend_attn_backend,
+            "cuda_graph_state": list(backend.cuda_graph_state),
+            "replays": list(width1.runner.replayed),
+            "broken": width1.broken,
+        }
+    return report
+
+
+def check_v2_steps(steps: int, graphs: bool = False) -> dict[str, Any]:
     """v2: the scheduler's prepare_for_decode + get_model_worker_batch, the patched
     EAGLEWorkerV2 entry, then the output processing the scheduler does with its result."""
     release = world.import_release("v2")
@@ -375,19 +455,23 @@ def check_v2_steps(steps: int) -> dict[str, Any]:
     specs = [
         world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=3),
         world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=30),
-    ]
+        world.RequestSpec(prompt=list(range(60, 66)), first_token=44, max_new_tokens=5),
+    ][: 3 if graphs else 2]
     batch = world.v2_decode_batch(release, args, specs, req_to_token_pool, allocator)
     batch_ref = [batch]
     worker = world.v2_worker(release, args, req_to_token_pool, allocator, batch_ref)
     report: dict[str, Any] = {"total_slots": total, "steps": []}
-    for _ in range(steps):
-        report["steps"].append(_v2_run_step(release, worker, batch, batch_ref, allocator))
-        if not batch.reqs:
-            break
+    with _draft_extend_graphs(release, worker, graphs) as installed:
+        for _ in range(steps):
+            report["steps"].append(_v2_run_step(release, worker, batch, batch_ref, allocator))
+            if not batch.reqs:
+                break
+        if installed is not None:
+            report["graphs"] = _graph_report(release, worker, installed)
     return report
 
 
-def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
+def check_v2_cycle(max_steps: int = 60, graphs: bool = False) -> dict[str, Any]:
     """v2 at T=2: r2 speculates alone through EAGLEWorkerV2's REAL speculative path; r0 and r1
     join (merge_batch), the batch of 3 runs fallback steps; then r2 speculates again."""
     release = world.import_release("v2")
@@ -404,19 +488,21 @@ def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
         world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=34),
     ]
     steps = []
-    for i in range(max_steps):
-        if not batch.reqs:
-            break
-        if i == 3:
-            newcomers = world.v2_decode_batch(release, args, joining, req_to_token_pool,
-                                              allocator, rids=["r0", "r1"])
-            lens = [getattr(b.spec_info, "allocate_lens", None) for b in (batch, newcomers)]
-            batch.merge_batch(newcomers)
-            if lens[0] is not None:  # 0.5.5: a future-indexed merge also concatenates these
-                batch.spec_info.allocate_lens = torch.cat(lens)
-        steps.append(_v2_run_step(release, worker, batch, batch_ref, allocator))
-        steps[-1]["free_plus_allocated"] = (steps[-1]["free_after_release"]
-                                            + steps[-1]["live_allocated"])
+    with _draft_extend_graphs(release, worker, graphs) as installed:
+        for i in range(max_steps):
+            if not batch.reqs:
+                break
+            if i == 3:
+                newcomers = world.v2_decode_batch(release, args, joining, req_to_token_pool,
+                                                  allocator, rids=["r0", "r1"])
+                lens = [getattr(b.spec_info, "allocate_lens", None) for b in (batch, newcomers)]
+                batch.merge_batch(newcomers)
+                if lens[0] is not None:  # 0.5.5: a future-indexed merge concatenates these
+                    batch.spec_info.allocate_lens = torch.cat(lens)
+            steps.append(_v2_run_step(release, worker, batch, batch_ref, allocator))
+            steps[-1]["free_plus_allocated"] = (steps[-1]["free_after_release"]
+                                                + steps[-1]["live_allocated"])
+        graph_report = _graph_report(release, worker, installed) if installed else None
     controller = release.fallback_mod._adapters[release.worker_cls].controller
     outputs: dict[str, list[int]] = {}
     for step in steps:
@@ -428,7 +514,9 @@ def check_v2_cycle(max_steps: int = 60) -> dict[str, Any]:
         "first_tokens": {"r2": 33, "r0": 11, "r1": 22},
         "max_new_tokens": {"r2": 90, "r0": 30, "r1": 34},
         "steps": [{k: step[k] for k in ("mode", "before", "emitted", "accept_lens",
-                                        "free_plus_allocated")} for step in steps],
+                                        "free_plus_allocated", "stride", "draft_calls")}
+                  for step in steps],
+        "graphs": graph_report,
         "emitted_by_rid": outputs,
         "controller": {"fallback_steps": controller.n_fallback_steps,
                        "spec_steps": controller.n_spec_steps,
@@ -500,7 +588,15 @@ def check_cycle(max_steps: int = 60) -> dict[str, Any]:
     }
 
 
-CHECKS = ("wiring", "steps", "at_threshold", "cycle", "all")
+_LOG_LINES: list[str] = []  # the runtime's log lines of the part that runs
+
+
+class _LogLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _LOG_LINES.append(record.getMessage())
+
+
+CHECKS = ("wiring", "steps", "at_threshold", "cycle", "steps_graphs", "cycle_graphs", "all")
 
 
 def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
@@ -513,6 +609,10 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
         return check_at_threshold(variant)
     if check == "cycle":
         return check_cycle() if variant == "v1" else check_v2_cycle()
+    if check == "steps_graphs":
+        return check_v2_steps(steps, graphs=True)
+    if check == "cycle_graphs":
+        return check_v2_cycle(graphs=True)
     # all: one interpreter per (release, worker) keeps the tier's run time down; each part
     # reports its own failure so that one broken part does not hide the others.
     parts: dict[str, Any] = {"wiring": lambda: check_wiring(variant)}
@@ -520,12 +620,15 @@ def run(check: str, variant: str, steps: int, threshold: int) -> dict[str, Any]:
     if variant == "v2":
         parts["steps"] = lambda: check_v2_steps(steps)
         parts["cycle"] = check_v2_cycle
+        parts["steps_graphs"] = lambda: check_v2_steps(steps, graphs=True)
+        parts["cycle_graphs"] = lambda: check_v2_cycle(graphs=True)
     else:
         parts["steps"] = lambda: check_steps(variant, steps, threshold)
         parts["cycle"] = check_cycle
     report = {}
     for name, part in parts.items():
         world.import_release(variant).fallback_mod.reset_for_tests()  # a fresh "server"
+        _LOG_LINES.clear()
         report[name] = _guarded(part)
     return report
 
@@ -539,6 +642,9 @@ def _guarded(part: Any) -> dict[str, Any]:
 
 
 def main() -> int:
+    runtime_log = logging.getLogger(f"{world.SPEC}.dynspec_fallback")
+    runtime_log.addHandler(_LogLines())
+    runtime_log.setLevel(logging.INFO)
     parser = argparse.ArgumentParser()
     parser.add_argument("check", choices=CHECKS)
     parser.add_argument("variant", choices=("v1", "v2"))

@@ -1,6 +1,10 @@
 # Concurrency sweep + greedy reference outputs against an SGLang /generate endpoint (stdlib only).
 # usage: python3 client.py URL OUT.json NAME [--levels 1,4,16,32,64,128] [--plen 256] [--olen 256]
-# [--greedy 16]
+# [--greedy 16] [--duration S --repeats R]
+# --duration S: each level is a closed loop of c clients, each sending its next request as soon as
+# its last one returns, until S seconds have passed (then the requests in flight finish); a level is
+# then at least S seconds of decoding instead of one wave of c requests (one hiccup moves a short
+# wave's number). --repeats R runs every level R times in a row (entries keep their "repeat").
 import argparse
 import json
 import random
@@ -22,6 +26,8 @@ ap.add_argument("--vocab", type=int, default=128000)
 ap.add_argument("--min-reqs", type=int, default=8)
 ap.add_argument("--mult", type=int, default=2)
 ap.add_argument("--timeout", type=float, default=600)
+ap.add_argument("--duration", type=float, default=0.0)
+ap.add_argument("--repeats", type=int, default=1)
 a = ap.parse_args()
 
 
@@ -66,6 +72,24 @@ def run(reqs, conc):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as ex:
         res = list(ex.map(gen, reqs))
+    return res, time.perf_counter() - t0
+
+
+def run_for(seed, conc, duration):
+    """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed."""
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
+
+    def client(k):
+        done, i = [], k
+        while time.perf_counter() - t0 < duration:
+            done.append(gen(pool[i % len(pool)]))
+            i += conc
+        return done
+
+    with ThreadPoolExecutor(conc) as ex:
+        res = [r for part in ex.map(client, range(conc)) for r in part]
     return res, time.perf_counter() - t0
 
 
@@ -121,6 +145,10 @@ out["effective_args"] = {
         "speculative_num_steps",
         "speculative_num_draft_tokens",
         "speculative_disable_batch_threshold",
+        "speculative_adaptive",
+        "speculative_adaptive_config",
+        "tp_size",
+        "dp_size",
         "disable_cuda_graph",
         "cuda_graph_max_bs",
         "max_running_requests",
@@ -148,12 +176,18 @@ for p in gp:
         out["errors"].append(f"greedy: {e!r}")
 out["greedy_c1"] = greedy
 print(f"greedy c=1: {len(greedy)} prompts in {time.perf_counter() - t:.1f}s", flush=True)
-for c in [int(x) for x in a.levels.split(",") if x]:
+for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.repeats)]:
     n = max(a.min_reqs, a.mult * c)
     try:
-        res, wall = run(prompts(1000 + c, n), c)
+        if a.duration > 0:
+            res, wall = run_for(1000 + c + 7919 * rep, c, a.duration)
+        else:
+            res, wall = run(prompts(1000 + c, n), c)
         d = summarize(res, wall, c)
-        if c == max(
+        d["repeat"] = rep
+        if a.duration > 0:
+            d["duration_s"] = a.duration
+        if rep == 0 and c == max(
             int(x) for x in a.levels.split(",")
         ):  # greedy outputs of the fixed prompts under load
             d["note"] = "output_ids of the first 16 requests kept in greedy_at_max_conc"

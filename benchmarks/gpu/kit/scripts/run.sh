@@ -10,15 +10,22 @@
 #                                   then gather every result so far into $OUT
 #
 # Variants (THRESHOLD T, default 16):
-#   base | eagle-v2 | dyn-v2 | dyn-v2-eager | eagle-v1 | dyn-v1 | dyn-v1-eager    speed sweep,
-#       Llama-3.1-8B shape, random (dummy) weights; *-v1: --disable-overlap-schedule;
+#   base | base-v1 | eagle-v2 | dyn-v2 | dyn-v2-eager | eagle-v1 | dyn-v1 | dyn-v1-eager | native-v2
+#       speed sweep, Llama-3.1-8B shape, random (dummy) weights; *-v1: --disable-overlap-schedule
+#       (base-v1: plain decoding under v1's scheduler, v1's like-for-like baseline);
 #       dyn-*: patched overlay + --speculative-disable-batch-threshold T, DYNSPEC_PROFILE=200;
-#       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before)
+#       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before);
+#       native-v2 (0.5.14+): pristine tree + the flags `dynspec-patch apply --route native` gives
+#       (SGLang's own --speculative-adaptive with a steps-0 config above T)
 #   check-base | check-eagle-v2 | check-dyn-v2 | check-dyn-v1                  greedy checks on
 #       the crafted 1b successor models (crafted.py) with the strict KV-leak check on
 #
-# Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,32,64,128),
-#   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540),
+# Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
+#   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
+#   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540), VARIANT_ENV (extra
+#   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
+#   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
+#   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
 set -u
@@ -30,7 +37,8 @@ mkdir -p "$KIT_HOME"/{site,work/results,work/logs,models}
 SITE=$KIT_HOME/site; WORK=$KIT_HOME/work; RES=$WORK/results; LOGS=$WORK/logs; M=$KIT_HOME/models
 DYN=$KIT_HOME/dyn                              # holds the patched copy of sglang/
 PY=${PY:-python3}; OUT=${OUT:-$WORK/out}; mkdir -p "$OUT"
-T=${THRESHOLD:-16}; PORT=${PORT:-31000}; LEVELS=${LEVELS:-1,16,32,64,128}
+T=${THRESHOLD:-16}; PORT=${PORT:-31000}; LEVELS=${LEVELS:-1,16,64,128}
+DURATION=${DURATION:-10}; REPEATS=${REPEATS:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export TVM_FFI_CACHE_DIR=$WORK/tvmffi TRITON_CACHE_DIR=$WORK/triton TVM_FFI_CUDA_ARCH_LIST=9.0
 export PATH="$(dirname "$(command -v "$PY")"):$PATH"
@@ -74,6 +82,11 @@ setup)
   rm -rf "$DYN"; mkdir -p "$DYN"; cp -a "$SITE/sglang" "$DYN/sglang"
   dynspec apply --sglang-root "$DYN/sglang" --threshold "$T" --worker both --json > "$WORK/apply.json" 2> "$LOGS/apply.err"
   echo "dynspec-patch apply rc=$?: $(head -c 600 "$WORK/apply.json")"; tail -3 "$LOGS/apply.err"
+  # the native route's flags (0.5.14+: SGLang's own adaptive), for native-v2; nothing is patched
+  rm -rf "$KIT_HOME/native"; mkdir -p "$KIT_HOME/native"; cp -a "$SITE/sglang" "$KIT_HOME/native/sglang"
+  dynspec apply --route native --sglang-root "$KIT_HOME/native/sglang" --threshold "$T" --json \
+    > "$WORK/native.json" 2>> "$LOGS/apply.err"
+  echo "native route rc=$?: $(head -c 400 "$WORK/native.json")"
   dynspec probe --sglang-root "$DYN/sglang" 2>&1 | tail -4
   PYTHONPATH=$SITE "$PY" -c "import torch, sgl_kernel; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
   echo "setup done in $(( $(date +%s)-t ))s"
@@ -84,7 +97,7 @@ session)
     V=$VARIANT${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
     left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
-    need=170; case "$V" in check-*) need=120;; esac
+    need=230; case "$V" in check-*) need=120;; esac
     [ "$left" -lt "$need" ] && { echo "[$V] deferred: ${left}s left in this call"; continue; }
     path="$hook$SITE"; envs=(); size=8b
     flags=(--load-format dummy --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch
@@ -97,10 +110,16 @@ session)
           --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
     case "$VARIANT" in
       base|check-base) spec=();;
+      base-v1) spec=(--disable-overlap-schedule);;
       eagle-v2|check-eagle-v2) ;;
       eagle-v1) spec+=(--disable-overlap-schedule);;
+      native-v2)
+        mapfile -t nflags < <("$PY" -c 'import json,sys; [print(f) for f in json.load(open(sys.argv[1])).get("server_flags") or []]' "$WORK/native.json")
+        [ ${#nflags[@]} -gt 0 ] || { echo "[$V] no native flags in $WORK/native.json"; continue; }
+        spec+=("${nflags[@]}");;
       *dyn-v2*|*dyn-v1*)
         path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$T"); envs+=(DYNSPEC_PROFILE=200)
+        [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV})
         case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
         case "$VARIANT" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
       *) echo "unknown variant $V"; continue;;
@@ -121,9 +140,15 @@ session)
       case "$V" in
         check-*) timeout "$budget" "$PY" "$HERE/check.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V";;
         *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
-             --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1;;
+             --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS";;
       esac
       echo "[$V] client rc=$?"
+      if [ -n "${PROFILE_AT:-}" ]; then   # where a loaded step's time goes (torch profiler, GPU only)
+        case "$V" in check-*) ;; *)
+          timeout 120 "$PY" "$HERE/profile_steps.py" "http://127.0.0.1:$PORT" "$RES" "$V" \
+            --concurrency "$PROFILE_AT" --trace-root "$WORK/profiles";;
+        esac
+      fi
     else
       tail -40 "$LOG"
       echo "{\"name\": \"$V\", \"error\": \"server not ready\"}" > "$RES/$V.json"

@@ -7,6 +7,7 @@ ARGUMENT_SPEC = {
     "state": {"type": "str", "default": "present", "choices": ["present", "absent"]},
     "threshold": {"type": "int"},
     "worker": {"type": "str", "default": "auto", "choices": ["auto", "v1", "v2", "both"]},
+    "route": {"type": "str", "choices": ["patch", "native"]},
     "restart": {"type": "bool", "default": True},
     "restart_cmd": {"type": "str"},
     "health_timeout": {"type": "float", "default": 1200.0},

@@ -11,8 +11,9 @@ DOCUMENTATION = r"""
 module: sglang_dynspec
 short_description: Add dynamic speculation disable to a live SGLang server
 description:
-  - Patches the SGLang installed on the host (or, on SGLang 0.5.14+, writes the native
-    C(--speculative-adaptive) config) so the running EAGLE worker stops speculating while the
+  - Patches the SGLang installed on the host (or, with O(route=native) on SGLang 0.5.14+,
+    writes the native C(--speculative-adaptive) config) so the running EAGLE worker stops
+    speculating while the
     decode batch is larger than O(threshold), restarts the server with the new flag, gates on
     C(/health) and C(/health_generate), and proves the flag through C(/server_info).
   - Runs on the controller as an action plugin. It drives dynspec-patch's own Python API over
@@ -32,7 +33,9 @@ description:
     and OpenSSH's C(ssh) client there. The host needs only a python3.
 version_added: "0.1.0"
 author:
-  - dynspec-patch authors
+  # validate-modules wants "Name (@github-handle)"; the project has no GitHub account yet, and
+  # "(!UNKNOWN)" is the form ansible-test accepts for an author without one.
+  - dynspec-patch authors (!UNKNOWN)
 options:
   state:
     description:
@@ -53,6 +56,14 @@ options:
     type: str
     choices: [auto, v1, v2, both]
     default: auto
+  route:
+    description:
+      - On SGLang 0.5.14+, which offer both, V(patch) patches the EAGLE worker (the default)
+        and V(native) writes a C(--speculative-adaptive) config for SGLang's own steps-0 path
+        instead. Older releases take V(patch) only. A V(v2) server that runs
+        C(--speculative-adaptive) is refused on the patch route (two controllers).
+    type: str
+    choices: [patch, native]
   restart:
     description:
       - Restart the server after changing files. V(false) leaves a "restart pending" mark.
@@ -105,7 +116,9 @@ attributes:
     support: full
     description: The unified diff of every file that changes.
   platform:
+    support: full
     platforms: posix
+    description: The host side runs on POSIX hosts (Linux); the controller needs OpenSSH's C(ssh).
 notes:
   - Use C(serial) and C(max_fail_percentage) to roll the fleet; the collection's playbook
     C(dynspec.patch.roll) does.
@@ -143,6 +156,11 @@ route:
   description: V(patch), V(native) (SGLang 0.5.14+, no source change) or V(unsupported).
   returned: when the host was read
   type: str
+routes:
+  description: The routes the release offers (V([patch, native]) on SGLang 0.5.14+).
+  returned: when the host was read
+  type: list
+  elements: str
 sglang_version:
   description: The release installed on the host.
   returned: when the host was read
@@ -182,8 +200,15 @@ restart:
   type: raw
 router:
   description: With O(router), what was done there (removed, drain, added_back, seconds).
-  returned: with router
+  returned: with router, or when an earlier run left the server out of a router
   type: dict
+resumed_rotation:
+  description:
+    - When an earlier run left the server out of its router (it was cut short between taking
+      the worker out and putting it back, as recorded on the host), the line saying that this
+      run finished that rotation (null otherwise).
+  returned: success
+  type: str
 rolled_back:
   description: True when the restart failed and the original files and command came back.
   returned: always

@@ -1,0 +1,282 @@
+"""Warm-up replays at start-up: each graph a fallback step uses is replayed once, bounded.
+
+The DECODE graph runner stand-in records its replays (and what the target model runner held
+during each); the width-1 draft-extend runner stand-in records its replays and the draft
+worker's width during each. SGLang's ``clamp_position`` is a stand-in in a stand-in
+``forward_batch_info`` module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.test_decode_graphs import RecordingGraphRunner, graph_world
+
+pytestmark = pytest.mark.torch
+
+DECODE_BS = [1, 2, 4, 8, 16, 24, 32, 48, 64]  # test_decode_graphs.make_runner's sizes
+BATCH_FIELDS = (  # of the stand-in ForwardBatch dataclass, besides forward_mode / batch_size
+    "input_ids",
+    "req_pool_indices",
+    "seq_lens",
+    "seq_lens_cpu",
+    "seq_lens_sum",
+    "out_cache_loc",
+    "positions",
+    "num_token_non_padded",
+    "capture_hidden_mode",
+    "spec_info",
+    "mrope_positions",
+)
+
+
+class ReplayingGraphRunner(RecordingGraphRunner):
+    """A DECODE graph runner whose replays are recorded (``fail_replay`` makes them raise)."""
+
+    fail_replay: Exception | None = None
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        self.model_runner = model_runner
+        self.replays: list[dict[str, Any]] = []
+
+    def replay(self, forward_batch: Any) -> None:
+        if self.fail_replay is not None:
+            raise self.fail_replay
+        runner = self.model_runner
+        self.replays.append(
+            {
+                "batch": forward_batch,
+                "graph_attr": getattr(runner, "graph_runner", None)
+                or getattr(runner, "cuda_graph_runner", None),
+                "attn_backend": runner.attn_backend,
+            }
+        )
+
+
+@pytest.fixture
+def forward_batch_info(monkeypatch):
+    """A stand-in sglang forward_batch_info module: ForwardMode and a recording clamp_position."""
+    from tests.runtime.standins import ForwardMode
+
+    calls: list[Any] = []
+    module = types.ModuleType(dyn.FORWARD_BATCH_MODULE)
+    module.ForwardMode = ForwardMode
+    module.ForwardBatch = dataclasses.make_dataclass(
+        "ForwardBatch",
+        [
+            ("forward_mode", Any),
+            ("batch_size", int),
+            *((name, Any, dataclasses.field(default=None)) for name in BATCH_FIELDS),
+            ("lora_ids", list, dataclasses.field(default_factory=list)),
+        ],
+    )
+    module.clamp_position = lambda seq_lens: calls.append(seq_lens.clone()) or seq_lens - 1
+    monkeypatch.setitem(sys.modules, dyn.FORWARD_BATCH_MODULE, module)
+    return calls
+
+
+def warm_world(version: str, variant: str, **kwargs: Any) -> Any:
+    """DECODE graphs for the target and, for v2, SGLang's N-token draft-extend graphs."""
+    world = graph_world(
+        version,
+        variant,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+        cuda_graph_bs=[2, 8, 16, 24],
+        **kwargs,
+    )
+    runner = world.worker.target_worker.model_runner
+    runner.device = "cpu"
+    setattr(runner, world.shape.graph_attr, ReplayingGraphRunner.__new__(ReplayingGraphRunner))
+    if variant == "v2":
+        draft = world.worker.draft_worker
+        draft.cuda_graph_runner_for_draft_extend = "n-token-graphs"
+        draft.draft_extend_attn_backend = "n-token-backend"
+    return world
+
+
+def step(world: Any, variant: str) -> Any:
+    if variant == "v1":
+        return dyn.maybe_fallback_v1(world.worker, world.batch)
+    return dyn.maybe_fallback_v2(world.worker, world.batch)
+
+
+def warmup_lines(caplog: Any) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "warm-up replays at start-up" in r.getMessage()]
+
+
+# -- order and bounds -----------------------------------------------------------------------
+
+
+def test_warmup_order_replays_one_size_of_each_specialisation_first():
+    sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 128, 256, 512]
+    assert dyn.warmup_order(sizes) == [1, 2, 16, 512, 4, 8, 24, 32, 40, 48, 64, 128, 256]
+    assert dyn.warmup_order([24, 16, 24]) == [16, 24]
+
+
+def test_run_warmup_stops_at_the_budget_before_the_next_replay():
+    now = [0.0]
+    ran: list[int] = []
+
+    def replay(i: int) -> None:
+        ran.append(i)
+        now[0] += 4.0  # each replay takes 4 s of the clock
+
+    flags: list[bool] = []
+
+    def stop_together(flag: bool) -> bool:
+        flags.append(flag)
+        return flag
+
+    replays = [("DECODE", lambda i=i: replay(i)) for i in range(5)]
+    done, errors, why = dyn.run_warmup(replays, 10.0, stop_together, clock=lambda: now[0])
+    assert (done, ran, errors) == (3, [0, 1, 2], [])  # 12 s > 10 s: the fourth never starts
+    assert why == "the 10s budget ran out"
+    assert flags == [False, False, False, True]  # every rank is asked before each replay
+
+
+def test_run_warmup_reports_a_replay_that_raises_and_goes_on():
+    def boom() -> None:
+        raise RuntimeError("no kernel image")
+
+    ran: list[str] = []
+    replays = [("a", lambda: ran.append("a")), ("DECODE", boom), ("c", lambda: ran.append("c"))]
+    done, errors, why = dyn.run_warmup(replays, 10.0, lambda flag: flag, clock=lambda: 0.0)
+    assert (done, ran, why) == (2, ["a", "c"], "")
+    assert errors == ["a DECODE replay raised RuntimeError: no kernel image"]
+
+
+def test_run_warmup_stops_where_another_rank_stops():
+    answers = iter([False, True])  # this rank would go on; another one stops
+    replays = [("a", lambda: None)] * 3
+    done, errors, why = dyn.run_warmup(replays, 10.0, lambda _: next(answers), lambda: 0.0)
+    assert (done, errors, why) == (1, [], "another TP rank stopped")
+
+
+# -- at start-up ----------------------------------------------------------------------------
+
+
+def test_start_up_replays_every_fallback_graph_once_and_logs_one_line(forward_batch_info, caplog):
+    import torch
+
+    from tests.runtime.standins import CaptureHiddenMode
+
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    verify_graphs, verify_backend = runner.graph_runner, runner.attn_backend
+
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+        world.batch = world._make_batch(4, 20, 100)
+        assert step(world, "v2") is not None  # no second warm-up: once per process
+
+    adapter = dyn._adapters[type(world.worker)]
+    decode = adapter.decode_graphs.runner
+    # clamp_position (the DECODE ForwardBatch's positions): once, int64, more than one row.
+    (seq_lens,) = forward_batch_info
+    assert seq_lens.dtype == torch.int64 and seq_lens.shape == (max(DECODE_BS),)
+    # One replay per captured DECODE size, in warm-up order, padding rows only.
+    assert [r["batch"].batch_size for r in decode.replays] == dyn.warmup_order(DECODE_BS)
+    for replay in decode.replays:
+        batch = replay["batch"]
+        bs = batch.batch_size
+        assert batch.forward_mode.is_decode() and batch.spec_info is None
+        assert batch.capture_hidden_mode == CaptureHiddenMode.FULL
+        assert batch.out_cache_loc.tolist() == [0] * bs  # SGLang's padding slot
+        assert batch.req_pool_indices.tolist() == [0] * bs
+        assert batch.seq_lens.tolist() == [1] * bs and batch.seq_lens_sum == bs
+        assert batch.seq_lens_cpu.device.type == "cpu"
+        assert type(batch).__name__ == "ForwardBatch"  # SGLang's own class
+        assert batch.mrope_positions is None and batch.lora_ids == []  # fields left at defaults
+        assert replay["graph_attr"] is decode  # replayed as a fallback step would
+        assert replay["attn_backend"] is adapter.decode_graphs.attn_backend
+    assert runner.graph_runner is verify_graphs and runner.attn_backend is verify_backend
+    # The width-1 draft-extend graphs (bs >= resume floor 1: every size), at width 1.
+    width1 = adapter.draft_extend_width1.runner
+    assert [b.batch_size for b, _ in width1.replays] == dyn.warmup_order([2, 8, 16, 24])
+    for batch, width in width1.replays:
+        assert width == 1
+        assert batch.forward_mode == "DRAFT_EXTEND_V2"
+        assert batch.out_cache_loc.tolist() == [0] * batch.batch_size
+        assert batch.spec_info.hidden_states is None
+    assert world.worker.draft_worker.speculative_num_draft_tokens == 4
+    (line,) = warmup_lines(caplog)
+    assert line.levelno == logging.INFO
+    total = 1 + len(DECODE_BS) + 4
+    assert f"warm-up replays at start-up: {total}/{total} ok (clamp_position 1, DECODE 9, " in (
+        line.getMessage()
+    )
+    assert "width-1 draft-extend 4) in " in line.getMessage()
+
+
+def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
+    world = warm_world("0.5.12.post1", "v1", batch_size=4)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v1") is not None
+    decode = dyn._adapters[type(world.worker)].decode_graphs.runner
+    assert len(decode.replays) == len(DECODE_BS)
+    (line,) = warmup_lines(caplog)
+    assert "10/10 ok (clamp_position 1, DECODE 9)" in line.getMessage()
+
+
+def test_env_switch_turns_the_warmup_off(forward_batch_info, monkeypatch, caplog):
+    monkeypatch.setenv(dyn.WARMUP_ENV, "0")
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.decode_graphs.runner.replays == []
+    assert adapter.draft_extend_width1.runner.replays == []
+    assert forward_batch_info == [] and warmup_lines(caplog) == []
+
+
+def test_spent_budget_stops_the_warmup_with_one_warning(forward_batch_info, monkeypatch, caplog):
+    monkeypatch.setenv(dyn.WARMUP_BUDGET_ENV, "0")
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    (line,) = warmup_lines(caplog)
+    assert line.levelno == logging.WARNING
+    assert "0/14 ok" in line.getMessage()
+    assert "stopped early: the 0s budget ran out" in line.getMessage()
+    assert dyn._adapters[type(world.worker)].decode_graphs.runner.replays == []
+
+
+def test_failing_replays_are_reported_and_the_server_goes_on(forward_batch_info, caplog):
+    ReplayingGraphRunner.fail_replay = RuntimeError("illegal instruction")
+    try:
+        world = warm_world("0.5.12.post1", "v2", batch_size=4)
+        with caplog.at_level(logging.INFO, logger=dyn.__name__):
+            result = step(world, "v2")
+    finally:
+        ReplayingGraphRunner.fail_replay = None
+    assert result is not None
+    adapter = dyn._adapters[type(world.worker)]
+    # The DECODE graphs stay in use for real steps; the other replays still ran.
+    assert world.recorder.get("target_forward")["graph"] is adapter.decode_graphs.runner
+    assert len(adapter.draft_extend_width1.runner.replays) == 4
+    (line,) = warmup_lines(caplog)
+    assert line.levelno == logging.WARNING
+    assert "5/14 ok (clamp_position 1, DECODE 9, width-1 draft-extend 4)" in line.getMessage()
+    assert "9 raised, the first: a DECODE replay raised RuntimeError: illegal instruction" in (
+        line.getMessage()
+    )
+
+
+def test_opt_in_levers_are_off_by_default(monkeypatch):
+    """Unset, neither the width-1 draft-extend nor the warm-up runs: both are opt-in."""
+    monkeypatch.delenv(dyn.DRAFT_EXTEND_WIDTH1_ENV)
+    monkeypatch.delenv(dyn.WARMUP_ENV)
+    adapter = types.SimpleNamespace(draft_extend_width1_note="")
+    dyn._prepare_draft_extend_width1(adapter, worker=None)  # returns before reading the worker
+    assert adapter.draft_extend_width1_note.startswith("off (opt in")
+    graphs = types.SimpleNamespace(decode_graphs=object(), draft_extend_width1=None)
+    dyn._warm_up_graphs(graphs, worker=None)  # returns before reading the worker
