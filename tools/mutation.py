@@ -93,6 +93,9 @@ TARGETS: dict[str, Target] = {
             "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
             "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
         ),
+        equivalent=(("x__is_pure_decode", '"is_extend_in_batch", None)',
+                     "None and False are both false: a batch without the field is pure decode "
+                     "either way"),),
         why="the controller and the step decisions: whether a step runs speculative or the "
             "fallback (the fallback steps themselves, _v1_step/_v2_step, ~400 mutants at ~10 s "
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
@@ -251,8 +254,10 @@ def _toml_table(values: dict[str, object]) -> str:
 def run_mutmut(where: Path, target: Target, max_children: int) -> int:
     # made before Python starts: a PYTHONPATH entry that does not exist yet is cached as absent
     (where / "mutants").mkdir(exist_ok=True)
+    # tests/conftest.py stops any session that does not run the installed wheel, except the
+    # stage's own copy, which tests the mutants on purpose
     env = {**os.environ, "PYTHONPATH": f"{where / 'mutants'}{os.pathsep}{HITS}",
-           "DYNSPEC_OFFLINE": "1"}
+           "DYNSPEC_OFFLINE": "1", "DYNSPEC_MUTATION_STAGE": str((where / "mutants").resolve())}
     command = ["nice", "-n", "10", sys.executable, "-m", "mutmut", "run",
                "--max-children", str(max_children), *target.patterns()]
     if target.heavy:
