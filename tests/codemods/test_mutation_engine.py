@@ -46,8 +46,9 @@ def test_text_of_a_file_that_is_not_utf8_is_never_python():
 @pytest.mark.parametrize(("snapshot", "facts", "expected"), [
     ({}, {}, ("unsupported", "no srt/server_args.py: not an SGLang package directory")),
     ({ARGS: b""}, {"native_steps_zero": True},
-     ("native", "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
-                "--speculative-adaptive, no source change")),
+     ("patch", "EAGLEWorkerV2 of SGLang 0.5.14+ patched: the fallback's target forward runs on "
+               "DECODE graphs (--route native uses SGLang's own --speculative-adaptive "
+               "instead)")),
     ({ARGS: b"", V1: None}, {},
      ("unsupported", "no EAGLE worker in this release (EAGLE arrived in 0.4.1.post4)")),
     ({ARGS: b"", V1: b"", KERNEL: b"eagle_verify_retrive"}, {},
@@ -248,7 +249,7 @@ def test_a_plan_is_refused_by_its_refusal_its_route_or_any_file():
     assert plan.to_json() == {
         "operation": "apply", "sglang_version": "0.5.4", "route": "patch",
         "reason": "the reason", "refused": False, "files": [ok.to_json()],
-        "server_flags": ["--f", "8"], "native": None}
+        "server_flags": ["--f", "8"], "native": None, "routes": []}
 
 
 # ---------------------------------------------------------------- whole plans on a small tree
@@ -428,29 +429,32 @@ NATIVE_V2 = (b"class EAGLEWorkerV2:\n    def _build_trivial_verify_input(self):\
 
 def test_the_native_route_builds_its_config_or_refuses_a_server_it_cannot_serve():
     tree = {ARGS: b"", V2: NATIVE_V2, "_version.py": b'__version__ = "0.5.14"\n'}
+    def native(**kwargs):
+        return engine.plan_apply(tree, route="native", **kwargs)
+
     with pytest.raises(UsageError) as no_threshold:
-        engine.plan_apply(tree)
+        native()
     assert str(no_threshold.value) == "the native route needs --threshold N to build its config"
-    plan = engine.plan_apply(tree, threshold=8, native_config_path="/s/adaptive.json")
+    plan = native(threshold=8, native_config_path="/s/adaptive.json")
     expected = engine.native_config(8, engine.DEFAULT_NUM_STEPS, "/s/adaptive.json", None)
     assert (plan.route, plan.files, plan.native, plan.refusal) == ("native", (), expected, None)
     assert plan.server_flags == expected.flags
-    assert engine.plan_apply(tree, threshold=8, num_steps=5).native == engine.native_config(
+    assert native(threshold=8, num_steps=5).native == engine.native_config(
         8, 5, engine.CONFIG_FILE_NAME, None)
-    assert engine.plan_apply(tree, threshold=8, cuda_graph_bs=[1, 2]).native == (
+    assert native(threshold=8, cuda_graph_bs=[1, 2]).native == (
         engine.native_config(8, engine.DEFAULT_NUM_STEPS, engine.CONFIG_FILE_NAME, [1, 2]))
-    refused = engine.plan_apply(tree, threshold=8, server_args={"speculative_eagle_topk": 4})
+    refused = native(threshold=8, server_args={"speculative_eagle_topk": 4})
     assert refused.refusal == (
         "SGLang 0.5.14 switches --speculative-adaptive off for this server "
         "(speculative_eagle_topk=4 (adaptive supports topk 1 only)): the threshold would do "
         "nothing; nothing was written")
-    by_argv = engine.plan_apply(tree, threshold=8,
+    by_argv = native(threshold=8,
                                 server_argv=["--speculative-eagle-topk", "2"])
     assert by_argv.refused
     revert = engine.plan_revert(tree)
     assert (revert.route, revert.reason, revert.files) == (
         "native", "no source change to undo (native route)", ())
-    assert engine.plan_status(tree).route == "native"
+    assert engine.plan_status(tree).routes == ("patch", "native")
 
 
 def test_every_kept_file_keeps_its_bytes_and_says_why():
@@ -471,7 +475,7 @@ def test_every_kept_file_keeps_its_bytes_and_says_why():
     assert status.route == "patch"
     assert engine.plan_status({"version.py": b'__version__ = "0.5.4"\n'}) == Plan(
         "status", "0.5.4", "unsupported",
-        "no srt/server_args.py: not an SGLang package directory")
+        "no srt/server_args.py: not an SGLang package directory", routes=("patch",))
     assert engine.plan_status(broken).files[1].reason == analysis.refusal
 
 
@@ -523,7 +527,7 @@ def test_every_planned_file_carries_its_path_bytes_and_reason():
         V2, b"x = 1\n", "unknown", "skipped", "not selected (--worker v1)")
     unsupported = engine.plan_apply({"version.py": b'__version__ = "0.5.4"\n'})
     assert (unsupported.operation, unsupported.sglang_version) == ("apply", "0.5.4")
-    native = engine.plan_apply({ARGS: b"", V2: NATIVE_V2}, threshold=8)
+    native = engine.plan_apply({ARGS: b"", V2: NATIVE_V2}, threshold=8, route="native")
     assert native.operation == "apply"
 
 
