@@ -322,6 +322,15 @@ class World:
                 ),
             ),
         )
+        # 0.5.17+'s get_spec(), on releases whose worker module has it: where the triton
+        # backend reads its speculative widths when it is built, as a read-only config bag.
+        self.spec_config = ConfigBag(
+            "spec",
+            speculative_num_steps=getattr(self.server_args, "speculative_num_steps", None),
+            speculative_num_draft_tokens=getattr(
+                self.server_args, "speculative_num_draft_tokens", None
+            ),
+        )
         self.fail_draft_extend_at_width: int | None = None
         self.fail_extend_capture: Exception | None = None
         self.extend_captures: list[Any] = []
@@ -401,6 +410,7 @@ class World:
             yield
 
         available["get_exec"] = lambda: world.exec_config
+        available["get_spec"] = lambda: world.spec_config
         available["EAGLEDraftExtendCudaGraphRunner"] = type(
             "EAGLEDraftExtendCudaGraphRunner", (DraftExtendGraphRunner,), {"world": world}
         )
@@ -737,10 +747,11 @@ class DraftAttentionBackend:
     """A draft-extend attention backend: the widths it read from the server args (as the
     triton backend does in its __init__)."""
 
-    def __init__(self, server_args: Any, label: str) -> None:
+    def __init__(self, server_args: Any, label: str, spec_config: Any = None) -> None:
         self.label = label
-        self.speculative_num_steps = server_args.speculative_num_steps
-        self.num_draft_tokens = server_args.speculative_num_draft_tokens
+        widths = server_args if spec_config is None else spec_config  # 0.5.17+: get_spec()
+        self.speculative_num_steps = widths.speculative_num_steps
+        self.num_draft_tokens = widths.speculative_num_draft_tokens
 
 
 class DraftBackendFactory:
@@ -756,7 +767,9 @@ class DraftBackendFactory:
 
     def create_draft_extend_backend(self) -> DraftAttentionBackend:
         made = self.world.draft_backends_made
-        backend = DraftAttentionBackend(self.server_args, f"extend-{len(made)}")
+        get_spec = getattr(self.world.module, "get_spec", None)
+        spec_config = get_spec() if get_spec is not None else None
+        backend = DraftAttentionBackend(self.server_args, f"extend-{len(made)}", spec_config)
         made.append(backend)
         return backend
 

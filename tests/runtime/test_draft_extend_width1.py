@@ -103,6 +103,49 @@ def test_capture_sees_the_width1_state_on_a_new_backend(shapes, version, caplog)
         assert args.cuda_graph_bs == GRAPH_BS
 
 
+def test_capture_on_0517_sets_the_widths_its_backends_read_from_get_spec(shapes, caplog):
+    """0.5.17's triton backend reads its widths from ``get_spec()``, not from the server args:
+    a width-1 graph on a backend still sized for N tokens made an illegal memory access on an
+    H200. The config bag says width 1 while the backend is built and is restored after."""
+    from tests.runtime.standins import read_shape
+
+    release = {"0.5.17": read_shape("0.5.17", "v2")}
+    world = world_with_graphs(release, "0.5.17", threshold=20, batch_size=3)
+    assert world.module.get_spec() is world.spec_config  # 0.5.17 has it
+
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        run(world)
+
+    (backend,) = world.draft_backends_made
+    assert (backend.speculative_num_steps, backend.num_draft_tokens) == (0, 1)
+    (runner,) = world.extend_captures
+    assert dyn._adapters[type(world.worker)].draft_extend_width1.runner is runner
+    spec = world.spec_config
+    assert (spec.speculative_num_steps, spec.speculative_num_draft_tokens) == (3, N)
+    assert "captured width-1 draft-extend graphs" in caplog.text
+
+
+def test_a_backend_sized_for_n_tokens_is_refused_before_anything_is_captured(shapes, caplog):
+    world = world_with_graphs(shapes, "0.5.12.post1", batch_size=3)
+    real_factory = world.module.DraftBackendFactory
+
+    class StaleWidths(real_factory):  # reads its widths from somewhere the capture did not set
+        def create_draft_extend_backend(self):
+            backend = super().create_draft_extend_backend()
+            backend.num_draft_tokens = N
+            return backend
+
+    world.module.DraftBackendFactory = StaleWidths
+
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        run(world)
+
+    assert world.extend_captures == []  # no graph was captured on the N-token backend
+    assert "the new attention backend has num_draft_tokens=4" in caplog.text
+    assert [e["width"] for e in extends(world)] == [N]
+    assert_draft_worker_restored(world)
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [

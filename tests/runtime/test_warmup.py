@@ -280,3 +280,36 @@ def test_opt_in_levers_are_off_by_default(monkeypatch):
     assert adapter.draft_extend_width1_note.startswith("off (opt in")
     graphs = types.SimpleNamespace(decode_graphs=object(), draft_extend_width1=None)
     dyn._warm_up_graphs(graphs, worker=None)  # returns before reading the worker
+
+
+# -- the replay method of each release ------------------------------------------------------
+
+
+class _ReplayRunner:  # <= 0.5.13
+    def replay(self, forward_batch: Any) -> str:
+        return f"replay {forward_batch.batch_size}"
+
+
+class _ExecuteRunner:  # 0.5.14+
+    def execute(self, forward_batch: Any) -> str:
+        return f"execute {forward_batch.batch_size}"
+
+
+class _SelectIndexRunner:  # 0.5.23's draft-extend runner
+    def execute(self, forward_batch: Any, select_index: Any) -> tuple[str, list[int]]:
+        return "execute", select_index.tolist()
+
+
+@pytest.mark.parametrize(
+    ("runner", "expected"),
+    [
+        (_ReplayRunner(), "replay 3"),
+        (_ExecuteRunner(), "execute 3"),
+        (_SelectIndexRunner(), ("execute", [0, 1, 2])),  # one token per request: row i
+    ],
+)
+def test_warmup_replays_through_the_method_the_release_has(runner, expected):
+    import torch
+
+    batch = types.SimpleNamespace(batch_size=3, seq_lens=torch.ones(3, dtype=torch.int64))
+    assert dyn.replay_graph(runner, batch, 3) == expected

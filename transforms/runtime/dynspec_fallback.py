@@ -413,6 +413,13 @@ V2_NEEDS: tuple[Need, ...] = (
         optional=True,
         why="0.5.19+: graph batch sizes and hidden-state capture are read from get_exec()",
     ),
+    Need(
+        "spec_config",
+        "module",
+        ("get_spec",),
+        optional=True,
+        why="0.5.17+: attention backends read the speculative widths from get_spec()",
+    ),
     Need("result_cls", "module", ("GenerationBatchResult",)),
     Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
     Need("gbr_accept_lens", "fields", ("accept_lens",), owner="GenerationBatchResult"),
@@ -1196,22 +1203,35 @@ def _new_draft_extend_runner(graph_cls: Any, draft: Any, backend: Any) -> Any:
 
 
 def capture_draft_extend_width1(
-    draft: Any, graph_cls: Any, factory_cls: Any, min_batch_size: int
+    draft: Any,
+    graph_cls: Any,
+    factory_cls: Any,
+    min_batch_size: int,
+    spec_config: Any = None,
+    graph_bag: Any = None,
 ) -> tuple[Width1DraftExtend | None, str]:
     """Capture draft-extend graphs at one token per request; (None, why) if not possible.
 
     SGLang's own graph runner class and attention-backend factory are called while the draft
-    worker and the server args say ``WIDTH1_STATE`` (as SGLang 0.5.14+ builds its steps-0
-    state under ``_override_worker_state``), on a second draft-extend attention backend, so the
-    N-token graphs and their buffers stay untouched; only for the graph batch sizes >=
-    ``min_batch_size``. Every attribute is restored afterwards, also when capture raises.
-    Called only where SGLang captured its own (N-token) draft-extend graphs.
+    worker, the server args and (0.5.17+) the ``get_spec()`` config bag ``spec_config`` say
+    ``WIDTH1_STATE`` (as SGLang 0.5.14+ builds its steps-0 state under
+    ``_override_worker_state``), on a second draft-extend attention backend, so the N-token
+    graphs and their buffers stay untouched; only for the graph batch sizes >=
+    ``min_batch_size`` (``graph_bag``: 0.5.19+'s ``get_exec().graph``, where they are read).
+    The new backend's widths are checked before anything is captured on it: a backend sized
+    for N tokens under a width-1 graph writes past its buffers (an illegal memory access on
+    0.5.17, whose triton backend reads its widths from ``get_spec()``). Every attribute is
+    restored afterwards, also when capture raises. Called only where SGLang captured its own
+    (N-token) draft-extend graphs.
     """
     args_objects = _server_args_objects(draft)
     with contextlib.ExitStack() as stack:
         for args in args_objects:
             stack.enter_context(_server_args_set(args, WIDTH1_STATE))
-            _cut_graph_sizes(stack, args, None, min_batch_size)
+            _cut_graph_sizes(stack, args, graph_bag, min_batch_size)
+        if spec_config is not None:
+            leaves = {k: v for k, v in WIDTH1_STATE.items() if k in spec_config}
+            stack.enter_context(spec_config.override(**leaves))
         stack.enter_context(_attributes_set(draft, WIDTH1_STATE))
         factory = factory_cls(
             draft.server_args, draft.draft_runner, draft.topk, WIDTH1_STATE["speculative_num_steps"]
@@ -1219,17 +1239,17 @@ def capture_draft_extend_width1(
         backend = factory.create_draft_extend_backend()
         if backend is None:
             return None, "SGLang made no draft-extend attention backend"
+        widths = {n: getattr(backend, n) for n in _BACKEND_WIDTH1 if hasattr(backend, n)}
+        if not widths:  # nothing to check it against: fail closed
+            return None, f"{type(backend).__name__} shows no draft-extend width to check"
+        for name, value in widths.items():
+            if value != _BACKEND_WIDTH1[name]:
+                return None, f"the new attention backend has {name}={value}"
         stack.enter_context(_attributes_set(draft, {"draft_extend_attn_backend": backend}))
         runner = _new_draft_extend_runner(graph_cls, draft, backend)
     width = _captured_width(runner)
     if width != 1:
         return None, f"the graph runner captured {width} tokens per request, not 1"
-    widths = {name: getattr(backend, name) for name in _BACKEND_WIDTH1 if hasattr(backend, name)}
-    if not widths:  # nothing to check it against: fail closed
-        return None, f"{type(backend).__name__} shows no draft-extend width to check"
-    for name, value in widths.items():
-        if value != _BACKEND_WIDTH1[name]:
-            return None, f"the new attention backend has {name}={value}"
     sizes = sorted(int(b) for b in getattr(runner, "capture_bs", []))
     pads = not getattr(runner, "disable_padding", False)
     return Width1DraftExtend(runner, backend, sizes, pads_to_graph=pads), ""
@@ -1296,12 +1316,16 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
         why = "this SGLang's _draft_extend_for_decode never replays a graph (0.5.5: eager)"
     else:
         try:
+            exec_config = adapter.cls("exec_config")() if adapter.names.get("exec_config") else None
+            spec_config = adapter.cls("spec_config")() if adapter.names.get("spec_config") else None
             with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
                 graphs, why = capture_draft_extend_width1(
                     draft,
                     adapter.cls("draft_extend_graph_cls"),
                     adapter.cls("draft_backend_factory"),
                     adapter.controller.resume_below,
+                    spec_config=spec_config,
+                    graph_bag=getattr(exec_config, "graph", None),
                 )
         except Exception as exc:  # capture failed: stay correct with the N-token draft-extend
             graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
@@ -1448,6 +1472,25 @@ def _padding_hidden(runner: Any, rows: int) -> Any:
     return buffer.new_zeros((rows, *buffer.shape[1:]))
 
 
+def replay_graph(runner: Any, forward_batch: Any, bs: int) -> Any:
+    """Replay ``runner``'s graph for ``forward_batch``, through the method this release has.
+
+    ``replay(forward_batch)`` up to 0.5.13; ``execute(forward_batch)`` from 0.5.14 (0.5.23's
+    draft-extend runner also takes the row of each request's last token, ``select_index``:
+    row i at one token per request).
+    """
+    replay = getattr(runner, "replay", None)
+    if callable(replay):
+        return replay(forward_batch)
+    execute = runner.execute
+    if "select_index" in inspect.signature(execute).parameters:
+        import torch
+
+        rows = torch.arange(bs, dtype=torch.int64, device=forward_batch.seq_lens.device)
+        return execute(forward_batch, select_index=rows)
+    return execute(forward_batch)
+
+
 def _forward_mode(name: str) -> Any:
     """SGLang's ForwardMode member ``name``."""
     modes = getattr(sys.modules.get(FORWARD_BATCH_MODULE), "ForwardMode", None)
@@ -1484,7 +1527,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
                 decode.runner, bs, device, mode, capture_hidden_mode=hidden_mode, spec_info=None
             )
             with target_decode_mode(target_runner, graph_attr, decode):
-                decode.runner.replay(batch)
+                replay_graph(decode.runner, batch, bs)
 
         replays += [
             ("DECODE", functools.partial(replay_decode, bs))
@@ -1501,7 +1544,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             )
             contexts = _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group)
             with contexts, draft_extend_width1_mode(draft, width1):
-                width1.runner.replay(batch)
+                replay_graph(width1.runner, batch, bs)
 
         replays += [
             ("width-1 draft-extend", functools.partial(replay_extend, bs))
@@ -1552,7 +1595,7 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
         return
     if os.environ.get(WARMUP_ENV, "0").strip() != "1":
-        return  # opt-in: its replays have not yet run on a GPU (0.5.17's runner has no replay())
+        return  # opt-in until its replays are proven on a GPU
     started = time.perf_counter()
     budget = _warmup_budget()
     tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
