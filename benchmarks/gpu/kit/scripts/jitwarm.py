@@ -47,6 +47,14 @@ jobs = [
     ("resolve_future_token_ids int32", lambda: _jit_resolve_future_token_ids_module(torch.int32)),
 ]
 
+# JITWARM_SKIP=name,...: leave those kernels (by name prefix) to compile where the server first
+# needs them, e.g. clamp_position, which only a fallback step calls: the first server then
+# meets it as on a fresh machine.
+skipped = [p for p in os.environ.get("JITWARM_SKIP", "").split(",") if p]
+jobs = [job for job in jobs if not any(job[0].startswith(p) for p in skipped)]
+if skipped:
+    print("jit warm skips:", ", ".join(skipped), flush=True)
+
 
 def one(job):
     n, f = job

@@ -26,6 +26,7 @@
 #   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
 #   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
 #   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels),
+#   JITWARM_SKIP (setup: kernels jitwarm.py leaves to the server, e.g. clamp_position),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
 set -u
