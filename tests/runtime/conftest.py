@@ -42,9 +42,10 @@ def _fresh_adapters():
 
 @pytest.fixture(autouse=True)
 def _opt_in_levers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The width-1 draft-extend and the start-up warm-up are opt-in; their tests (and every
-    other stand-in test, so the levers run beside the rest) run with both on. A test that wants
-    them off sets the variable to "0"; test_opt_in_levers_are_off_by_default unsets them."""
+    """The width-1 draft-extend and the start-up warm-up run by default only on SGLang's
+    <= 0.5.13 layout (``lever_on``); every stand-in test runs with both on, so the levers run
+    beside the rest on every layout. A test that wants them off sets the variable to "0"; the
+    tests of the default (test_warmup.py) unset them."""
     from dynspec_patch.transforms.runtime import dynspec_fallback
 
     monkeypatch.setenv(dynspec_fallback.DRAFT_EXTEND_WIDTH1_ENV, "1")

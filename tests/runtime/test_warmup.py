@@ -271,15 +271,58 @@ def test_failing_replays_are_reported_and_the_server_goes_on(forward_batch_info,
     )
 
 
-def test_opt_in_levers_are_off_by_default(monkeypatch):
-    """Unset, neither the width-1 draft-extend nor the warm-up runs: both are opt-in."""
+@pytest.mark.parametrize(
+    ("value", "proven", "on"),
+    [("1", False, True), ("0", True, False), (None, True, True), (None, False, False),
+     (" 1 ", False, True), ("yes", False, False)],
+)
+def test_a_lever_runs_where_it_is_proven_unless_the_variable_says(monkeypatch, value, proven, on):
+    if value is None:
+        monkeypatch.delenv("DYNSPEC_SOME_LEVER", raising=False)
+    else:
+        monkeypatch.setenv("DYNSPEC_SOME_LEVER", value)
+    assert dyn.lever_on("DYNSPEC_SOME_LEVER", proven) is on
+
+
+class _ExecuteLayout(ReplayingGraphRunner):
+    """A DECODE graph runner of SGLang 0.5.14+'s layout: execute(), no replay()."""
+
+    replay = None  # type: ignore[assignment]
+
+    def execute(self, forward_batch: Any) -> None:
+        ReplayingGraphRunner.replay(self, forward_batch)
+
+
+@pytest.mark.parametrize(("layout", "warms_up"), [("replay", True), ("execute", False)])
+def test_by_default_the_levers_run_only_on_the_layout_proven_on_a_gpu(
+    forward_batch_info, monkeypatch, caplog, layout, warms_up
+):
+    """Unset, both levers run on SGLang <= 0.5.13 (replay(): run on an H200 with 0.5.12.post1,
+    greedy outputs checked) and neither on 0.5.14+'s execute() layout."""
+    from tests.runtime.standins import DraftExtendGraphRunner
+
     monkeypatch.delenv(dyn.DRAFT_EXTEND_WIDTH1_ENV)
     monkeypatch.delenv(dyn.WARMUP_ENV)
-    adapter = types.SimpleNamespace(draft_extend_width1_note="")
-    dyn._prepare_draft_extend_width1(adapter, worker=None)  # returns before reading the worker
-    assert adapter.draft_extend_width1_note.startswith("off (opt in")
-    graphs = types.SimpleNamespace(decode_graphs=object(), draft_extend_width1=None)
-    dyn._warm_up_graphs(graphs, worker=None)  # returns before reading the worker
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    if layout == "execute":
+        runner = world.worker.target_worker.model_runner
+        setattr(runner, world.shape.graph_attr, _ExecuteLayout.__new__(_ExecuteLayout))
+
+        class ExecuteExtend(DraftExtendGraphRunner):
+            replay = None  # type: ignore[assignment]
+
+        ExecuteExtend.world = world
+        world.module.EAGLEDraftExtendCudaGraphRunner = ExecuteExtend
+
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+
+    adapter = dyn._adapters[type(world.worker)]
+    assert (adapter.draft_extend_width1 is not None) is warms_up
+    assert (len(adapter.decode_graphs.runner.replays) > 0) is warms_up
+    assert (len(warmup_lines(caplog)) == 1) is warms_up
+    if not warms_up:
+        assert adapter.draft_extend_width1_note.startswith(f"off ({dyn.DRAFT_EXTEND_WIDTH1_ENV}=1")
 
 
 # -- the replay method of each release ------------------------------------------------------

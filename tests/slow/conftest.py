@@ -140,7 +140,7 @@ def drive(tmp_path_factory: pytest.TempPathFactory):
                 [str(HERE / "stubs"), str(HERE / "harness"), str(trees[release.version])]
             ),
             "PYTHONDONTWRITEBYTECODE": "1",
-            # the opt-in levers (width-1 draft-extend, start-up warm-up) run here too
+            # both levers (width-1 draft-extend, start-up warm-up) run here on every release
             "DYNSPEC_DRAFT_EXTEND_WIDTH1": "1",
             "DYNSPEC_WARMUP": "1",
             "HF_HUB_OFFLINE": "1",  # nothing here needs the hub; never try it

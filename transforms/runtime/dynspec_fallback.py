@@ -1141,7 +1141,8 @@ def target_decode_mode(model_runner: Any, graph_attr: str, graphs: DecodeGraphs 
 # v2: the draft-extend of a fallback step at one token per request (width-1 graphs)
 # --------------------------------------------------------------------------------------------
 
-# "1" turns the width-1 draft-extend on (opt-in; otherwise the N-token one, as before).
+# "1" / "0" turn the width-1 draft-extend on / off; unset: on where it has run on a GPU
+# (``lever_on``), otherwise the N-token draft-extend, as before.
 DRAFT_EXTEND_WIDTH1_ENV = "DYNSPEC_DRAFT_EXTEND_WIDTH1"
 # What the draft worker (and, while capturing, the server args) say for one token per request:
 # the values of SGLang's own steps-0 state (0.5.14+ ``build_adaptive_runtime_state``).
@@ -1294,13 +1295,37 @@ _WIDTH1_NEEDS = (
 )
 
 
+def lever_on(env: str, proven: bool) -> bool:
+    """Whether a speed lever runs: ``env`` "1" on, "0" off; unset, only where it is ``proven``.
+
+    A lever is proven on the layout of SGLang it has run on with a GPU (greedy outputs
+    checked): an illegal memory access in a CUDA graph poisons the process, which no exception
+    handler can undo, so an unproven layout keeps the path that has run there.
+    """
+    value = os.environ.get(env, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    return proven
+
+
+def replays_with_replay(runner_cls: Any) -> bool:
+    """Whether a graph runner class replays through ``replay()``: SGLang <= 0.5.13's layout,
+    where the width-1 draft-extend and the warm-up ran on an H200 (0.5.12.post1, 2026-12-01;
+    0 mismatched tokens on the crafted models). 0.5.14+ replay through ``execute()``."""
+    return callable(getattr(runner_cls, "replay", None))
+
+
 def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
     """Capture the width-1 draft-extend graphs once per process; failures keep the N-token one."""
-    if os.environ.get(DRAFT_EXTEND_WIDTH1_ENV, "0").strip() != "1":
-        # Opt-in: on an H200 with SGLang 0.5.17 the width-1 capture hit an illegal memory
-        # access, which no exception handler survives (the server died); it has not run on a
-        # GPU with any other release yet.
-        adapter.draft_extend_width1_note = f"off (opt in: {DRAFT_EXTEND_WIDTH1_ENV}=1)"
+    has_graph_cls = adapter.names.get("draft_extend_graph_cls")
+    graph_cls = adapter.cls("draft_extend_graph_cls") if has_graph_cls else None
+    if not lever_on(DRAFT_EXTEND_WIDTH1_ENV, replays_with_replay(graph_cls)):
+        # 0.5.14+ (execute() layout) has not run it on a GPU since the 0.5.17 fix (its
+        # backends read the widths from get_spec(); before that, an illegal memory access).
+        adapter.draft_extend_width1_note = (
+            f"off ({DRAFT_EXTEND_WIDTH1_ENV}=1 turns it on; by default only on SGLang <= "
+            "0.5.13, where it has run on a GPU)"
+        )
         return
     draft = worker.draft_worker
     started = time.perf_counter()
@@ -1367,7 +1392,8 @@ def draft_extend_width1_mode(draft: Any, graphs: Width1DraftExtend) -> Iterator[
 # Warm-up at start-up: what the first real replays would compile, compiled before them
 # --------------------------------------------------------------------------------------------
 
-# "0": no warm-up replays (the first fallback steps then compile what they need).
+# "0" / "1": no warm-up replays (the first fallback steps then compile what they need) / warm
+# up; unset: where the replays have run on a GPU (``lever_on``).
 WARMUP_ENV = "DYNSPEC_WARMUP"
 # No new warm-up replay starts after this many seconds (default 10).
 WARMUP_BUDGET_ENV = "DYNSPEC_WARMUP_BUDGET_S"
@@ -1594,8 +1620,9 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     """Replay each graph a fallback step uses once, at start-up (bounded; one log line)."""
     if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
         return
-    if os.environ.get(WARMUP_ENV, "0").strip() != "1":
-        return  # opt-in until its replays are proven on a GPU
+    runners = [g.runner for g in (adapter.decode_graphs, adapter.draft_extend_width1) if g]
+    if not lever_on(WARMUP_ENV, all(replays_with_replay(type(r)) for r in runners)):
+        return  # by default only where its replays have run on a GPU (SGLang <= 0.5.13)
     started = time.perf_counter()
     budget = _warmup_budget()
     tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
