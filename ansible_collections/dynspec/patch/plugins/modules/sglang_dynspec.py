@@ -47,10 +47,10 @@ options:
   threshold:
     description:
       - Decode batch size above which the EAGLE worker stops speculating
-        (C(--speculative-disable-batch-threshold)), an integer from 1 to 65536, or V(auto):
-        the patched server then picks a plain or a speculative step at each batch size by
-        expected tokens per second (patch route only; V(route=native) refuses it). Without it
-        the files are patched and the launch flags are left as they are.
+        (C(--speculative-disable-batch-threshold)), an integer from 1 to 65536, or V(auto),
+        with which the patched server picks a plain or a speculative step at each batch size
+        by expected tokens per second (patch route only, V(route=native) refuses it). Without
+        it the files are patched and the launch flags are left as they are.
     type: raw
   worker:
     description:
