@@ -143,7 +143,7 @@ def goals(table: dict[str, list[Row]]) -> str:
 
 
 def correctness(results: dict) -> str:
-    out = ["| server | requests | failed | mismatched tokens streams |", "|---|---|---|---|"]
+    out = ["| server | requests | failed | mismatched outputs |", "|---|---|---|---|"]
     for name, result in results.items():
         levels = [lv for lv in result.get("levels", []) if "requests" in lv]
         if not levels:
