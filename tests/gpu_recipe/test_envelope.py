@@ -175,3 +175,33 @@ def test_the_plot_has_a_panel_per_region_and_a_line_per_server(tmp_path):
     lines = [e.get("data-server") for e in root.iter("{http://www.w3.org/2000/svg}polyline")]
     assert sorted(lines) == sorted(["env-auto", "env-base", "env-eagle", "env-fixed-T4",
                                     "env-fixed-T16", "env-auto", "env-base", "env-eagle"])
+
+
+def test_big_weights_go_out_in_shards_with_an_index(tmp_path, monkeypatch):
+    """The 8b target (~16 GB) is written shard by shard; safetensors itself is only on the GPU
+    host, so a stand-in save_file records what each shard holds."""
+    import types
+
+    import mkweights
+    import torch
+
+    written: dict[str, list[str]] = {}
+    fake = types.ModuleType("safetensors.torch")
+    fake.save_file = lambda part, path, metadata: written.__setitem__(  # type: ignore[attr-defined]
+        Path(path).name, [k for k, v in part.items() if v.device.type == "cpu"])
+    monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors.torch", fake)
+    tensors = {f"w{i}": torch.zeros(256, dtype=torch.bfloat16) for i in range(5)}  # 512 B each
+    monkeypatch.setattr(mkweights, "SHARD_BYTES", 1024)
+    assert mkweights.save_sharded(tensors, str(tmp_path)) == 5 * 512
+    assert written == {"model-00001-of-00003.safetensors": ["w0", "w1"],
+                       "model-00002-of-00003.safetensors": ["w2", "w3"],
+                       "model-00003-of-00003.safetensors": ["w4"]}
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 512
+    assert index["weight_map"]["w3"] == "model-00002-of-00003.safetensors"
+
+    written.clear()
+    monkeypatch.setattr(mkweights, "SHARD_BYTES", 4 << 30)
+    mkweights.save_sharded(tensors, str(tmp_path / "one"))
+    assert written == {"model.safetensors": list(tensors)}  # the 1b layout, as before

@@ -114,7 +114,7 @@ def make_tensors(shape: dict, device: str) -> tuple[dict, dict]:
     return target, draft
 
 
-def shards(tensors: dict, limit: int = SHARD_BYTES) -> list[list[str]]:
+def shards(tensors: dict, limit: int) -> list[list[str]]:
     """Tensor names in order, grouped so that each group holds at most ``limit`` bytes (a
     larger tensor gets a group of its own)."""
     groups: list[list[str]] = [[]]
@@ -133,7 +133,7 @@ def save_sharded(tensors: dict, directory: str) -> int:
     """Write ``tensors`` as safetensors shards (+ index when more than one); bytes written."""
     from safetensors.torch import save_file
 
-    groups = shards(tensors)
+    groups = shards(tensors, SHARD_BYTES)
     names = (
         ["model.safetensors"]
         if len(groups) == 1
