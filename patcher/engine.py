@@ -318,6 +318,8 @@ def _apply_one(
 def parse_threshold(value: object) -> Threshold | None:
     """``--threshold`` as given (command-line text, or an Ansible int or string): an integer
     in 1..MAX_THRESHOLD or ``auto``; anything else is a usage error (exit 2)."""
+    if value == AUTO_THRESHOLD:
+        return AUTO_THRESHOLD  # a plain str (Ansible hands a tagged str subclass)
     if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
         value = int(value)
     validate_options(threshold=value)  # type: ignore[arg-type]
