@@ -113,7 +113,8 @@ session)
     [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
     left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
     need=230; case "$V" in check-*) need=120;;
-      env-*) need=$(( 130 + $("$PY" "$HERE/envelope.py" - - - $(env_args "$V") --estimate) ));; esac
+      env-*) est=$("$PY" "$HERE/envelope.py" - - - $(env_args "$V") --estimate) || continue
+             need=$(( 130 + est ));; esac
     [ "$left" -lt "$need" ] && { echo "[$V] deferred: ${left}s left in this call"; continue; }
     path="$hook$SITE"; envs=(); size=8b
     flags=(--load-format dummy --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch
