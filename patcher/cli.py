@@ -30,6 +30,7 @@ from dynspec_patch.patcher.engine import (
     ROUTES,
     FileChange,
     Plan,
+    parse_threshold,
     plan_apply,
     plan_revert,
     plan_status,
@@ -546,6 +547,7 @@ def _locked_write(
         "dynspec-patch apply --sglang-root ./sglang --dry-run",
         "dynspec-patch apply --host ubuntu@gpu-box-1 --threshold 8",
         "dynspec-patch apply --host gpu-box-1 --threshold 8 --no-restart",
+        "dynspec-patch apply --host gpu-box-1 --threshold auto",
     )
 )
 def apply(
@@ -558,8 +560,12 @@ def apply(
     accept_new_host_key: AcceptNewHostKey = False,
     connect_timeout: ConnectTimeout = 15.0,
     threshold: Annotated[
-        int | None,
-        typer.Option(help="Batch size above which to stop speculating (1-65536)."),
+        str | None,
+        typer.Option(
+            metavar="N|auto",
+            help="Batch size above which to stop speculating (1-65536), or auto: the patched "
+            "server picks plain or speculative steps by expected tokens/s at each batch size.",
+        ),
     ] = None,
     worker: Annotated[str, typer.Option(help="auto | v1 | v2 | both")] = "auto",
     num_steps: Annotated[
@@ -584,13 +590,14 @@ def apply(
 ) -> None:
     """Patch the release (or write the native config), idempotently."""
     _check_scope(ctx, host, sglang_root)
-    validate_options(threshold=threshold, num_steps=num_steps, worker=worker, route=route)
+    threshold_value = parse_threshold(threshold)
+    validate_options(threshold=threshold_value, num_steps=num_steps, worker=worker, route=route)
     if host is not None:
         result = _remote().apply(
             _host_options(
                 host, identity_file, known_hosts, ssh_config, accept_new_host_key, connect_timeout
             ),
-            threshold=threshold,
+            threshold=threshold_value,
             worker=worker,
             dry_run=dry_run,
             no_restart=no_restart,
@@ -612,7 +619,7 @@ def apply(
         return plan_apply(
             local.read_snapshot(package),
             worker=worker,
-            threshold=threshold,
+            threshold=threshold_value,
             num_steps=num_steps,
             native_config_path=config_path,
             recorded=local.recorded_files(package),

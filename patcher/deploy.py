@@ -32,6 +32,7 @@ from dynspec_patch.patcher.engine import (
     THRESHOLD_FLAG,
     FileChange,
     Plan,
+    Threshold,
     next_manifest,
     plan_revert,
     plan_status,
@@ -128,7 +129,7 @@ def desired_argv(argv: Sequence[str], plan: Plan) -> list[str]:
     return edit_argv(argv, remove_valued=(THRESHOLD_FLAG,), add=plan.server_flags)
 
 
-def expectations(plan: Plan, threshold: int | None, config_path: str) -> dict[str, Any]:
+def expectations(plan: Plan, threshold: Threshold | None, config_path: str) -> dict[str, Any]:
     """What /server_info must report once the patched server runs."""
     if plan.route == "native":
         return {"speculative_adaptive": True, "speculative_adaptive_config": config_path}
@@ -531,7 +532,7 @@ def _read_host(s: Session, pid: int | None, port: int | None, dry_run: bool,
     return facts, server, package, posixpath.join(facts.state_dir, CONFIG_FILE_NAME)
 
 
-def apply(s: Session, *, threshold: int | None, worker: str, dry_run: bool, no_restart: bool,
+def apply(s: Session, *, threshold: Threshold | None, worker: str, dry_run: bool, no_restart: bool,
           restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0,
           commit_image: str | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dynspec_patch.patcher.errors import UsageError
 from dynspec_patch.patcher.manifest import FileRecord, Manifest, sha256_or_none
@@ -49,11 +50,21 @@ DEFAULT_ROUTE = "patch"
 ADAPTIVE_FLAG = "--speculative-adaptive"
 DEFAULT_NUM_STEPS = 3
 MAX_THRESHOLD = 65536  # far above any decode batch SGLang runs; larger is a typo
+# --threshold auto: the patched server's own controller picks plain or speculative steps by
+# expected goodput at each batch size (patch route only)
+AUTO_THRESHOLD = "auto"
+Threshold = int | Literal["auto"]
 MAX_NUM_STEPS = 64
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+NATIVE_AUTO_REFUSAL = (
+    "--threshold auto needs the patch route: SGLang's --speculative-adaptive switches on "
+    "acceptance alone, not on goodput per batch size (use --route patch, or --threshold N "
+    "with --route native); nothing was written"
+)
 
 Snapshot = Mapping[str, bytes | None]
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 _PREPARE_WITH_PAGE_SIZE = re.compile(r"def prepare_for_verify\(self, batch[^)]*page_size")
 _VERSION_RE = re.compile(
     r"""^__version__\s*=\s*(?:version\s*=\s*)?(?:\w+\s*=\s*)?["']([^"']+)["']""", re.M
@@ -304,17 +315,36 @@ def _apply_one(
     )
 
 
+def parse_threshold(value: object) -> Threshold | None:
+    """``--threshold`` as given (command-line text, or an Ansible int or string): an integer
+    in 1..MAX_THRESHOLD or ``auto``; anything else is a usage error (exit 2)."""
+    if value == AUTO_THRESHOLD:
+        return AUTO_THRESHOLD  # a plain str (Ansible hands a tagged str subclass)
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        value = int(value)
+    validate_options(threshold=value)  # type: ignore[arg-type]
+    return value  # type: ignore[return-value]
+
+
 def validate_options(
     *,
-    threshold: int | None = None,
+    threshold: Threshold | None = None,
     num_steps: int | None = None,
     worker: str = "auto",
     route: str | None = None,
 ) -> None:
     """Refuse bad option values before anything is read or any host is contacted (exit 2)."""
     validate_route(route)
-    if threshold is not None and not 1 <= threshold <= MAX_THRESHOLD:
-        raise UsageError(f"--threshold must be between 1 and {MAX_THRESHOLD}, got {threshold}")
+    if threshold is not None and threshold != AUTO_THRESHOLD:
+        if not isinstance(threshold, int) or isinstance(threshold, bool):
+            raise UsageError(
+                f"--threshold must be an integer between 1 and {MAX_THRESHOLD} or "
+                f"{AUTO_THRESHOLD}, got {threshold!r}"
+            )
+        if not 1 <= threshold <= MAX_THRESHOLD:
+            raise UsageError(
+                f"--threshold must be between 1 and {MAX_THRESHOLD}, got {threshold}"
+            )
     if num_steps is not None and not 1 <= num_steps <= MAX_NUM_STEPS:
         raise UsageError(f"--num-steps must be between 1 and {MAX_NUM_STEPS}, got {num_steps}")
     if worker not in WORKER_CHOICES:
@@ -326,7 +356,7 @@ def plan_apply(
     *,
     worker: str = "auto",
     live_worker: str | None = None,
-    threshold: int | None = None,
+    threshold: Threshold | None = None,
     num_steps: int | None = None,
     cuda_graph_bs: Sequence[int] | None = None,
     native_config_path: str = CONFIG_FILE_NAME,
@@ -354,6 +384,9 @@ def plan_apply(
     if route == "native":
         if threshold is None:
             raise UsageError("the native route needs --threshold N to build its config")
+        if threshold == AUTO_THRESHOLD:
+            return Plan("apply", version, route, reason, refusal=NATIVE_AUTO_REFUSAL,
+                        routes=routes)
         config = native_config(
             threshold, num_steps or DEFAULT_NUM_STEPS, native_config_path, cuda_graph_bs
         )

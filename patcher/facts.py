@@ -156,8 +156,9 @@ def effective_from_argv(
     if steps and steps.isdigit():
         values["speculative_num_steps"] = int(steps)
     threshold = flag(argv, "--speculative-disable-batch-threshold")
-    if threshold is not None:
-        values["speculative_disable_batch_threshold"] = int(threshold)
+    if threshold is not None:  # an integer, or a word ("auto") shown as written
+        values["speculative_disable_batch_threshold"] = (
+            int(threshold) if threshold.isdigit() else threshold)
     return values, evidence
 
 

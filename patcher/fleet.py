@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynspec_patch.patcher import deploy
-from dynspec_patch.patcher.engine import Plan
+from dynspec_patch.patcher.engine import Plan, Threshold, parse_threshold
 from dynspec_patch.patcher.errors import DynspecError, RollbackError, UsageError
 from dynspec_patch.patcher.facts import ServerProcess
 from dynspec_patch.patcher.router import Rotation, RouterClient, rolling
@@ -99,7 +99,7 @@ class HostTask:
     """The module's parameters."""
 
     state: str = "present"  # present | absent
-    threshold: int | None = None
+    threshold: Threshold | None = None  # an int 1..65536 or "auto"
     worker: str = "auto"
     route: str | None = None  # patch | native (None: the release's default)
     restart: bool = True
@@ -197,15 +197,15 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
         "pid": task.server_pid, "port": task.server_port,
         "health_timeout": task.health_timeout, "stop_timeout": task.stop_timeout,
     }
-    if task.state == "present":
-        operation, extra = deploy.apply, {
-            "threshold": task.threshold, "worker": task.worker, "route": task.route}
-    else:
-        operation, extra = deploy.revert, {"force": task.force}
     conn = Connection(target, accept_new_host_key=accept_new_host_key or
                       target.accept_new_host_key)
     s: deploy.Session | None = None
     try:
+        if task.state == "present":  # Ansible hands "24" from -e as a string: an int or "auto"
+            operation, extra = deploy.apply, {"threshold": parse_threshold(task.threshold),
+                                              "worker": task.worker, "route": task.route}
+        else:
+            operation, extra = deploy.revert, {"force": task.force}
         conn.open()
         s = deploy.Session(conn, conn.agent(use_sudo=use_sudo), deploy.Faults())
         out = rolling(s, operation=operation, rotation=rotation, observe_restart=note_pid,

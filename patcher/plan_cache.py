@@ -29,7 +29,7 @@ from typing import Any
 
 from dynspec_patch import transforms
 from dynspec_patch.patcher import engine, manifest
-from dynspec_patch.patcher.engine import FileChange, Plan, Snapshot
+from dynspec_patch.patcher.engine import FileChange, Plan, Snapshot, Threshold
 from dynspec_patch.patcher.manifest import FileRecord, sha256_or_none
 from dynspec_patch.patcher.releases import cache_dir
 from dynspec_patch.transforms.native_adaptive import CONFIG_FILE_NAME
@@ -99,7 +99,7 @@ def _decode(data: Mapping[str, Any], snapshot: Snapshot) -> Plan:
 
 
 def plan_apply(snapshot: Snapshot, *, worker: str = "auto", live_worker: str | None = None,
-               threshold: int | None = None, num_steps: int | None = None,
+               threshold: Threshold | None = None, num_steps: int | None = None,
                cuda_graph_bs: Sequence[int] | None = None,
                native_config_path: str = CONFIG_FILE_NAME,
                recorded: Mapping[str, FileRecord] | None = None,

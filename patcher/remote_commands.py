@@ -16,6 +16,7 @@ from typing import Any
 from dynspec_patch.patcher import deploy, router
 from dynspec_patch.patcher.container import DockerOptions
 from dynspec_patch.patcher.deploy import Faults
+from dynspec_patch.patcher.engine import Threshold
 from dynspec_patch.patcher.router import Rotation, rolling
 from dynspec_patch.patcher.ssh import resolve_target
 
@@ -59,7 +60,7 @@ def detect_path(opts: HostOptions, *, pid: int | None, port: int | None) -> dict
     return _run(opts, deploy.detect_path, pid=pid, port=port)
 
 
-def apply(opts: HostOptions, *, threshold: int | None, worker: str, dry_run: bool,
+def apply(opts: HostOptions, *, threshold: Threshold | None, worker: str, dry_run: bool,
           no_restart: bool, restart_cmd: str | None, pid: int | None, port: int | None,
           health_timeout: float, stop_timeout: float = 60.0, faults: Faults | None = None,
           on_progress: Callable[[str], None] | None = None,

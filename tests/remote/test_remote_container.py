@@ -182,6 +182,24 @@ def test_threshold_needs_commit_image_which_makes_a_durable_patched_image(contai
     engine.cli("rmi", tag)
 
 
+def test_auto_travels_into_the_committed_image_and_its_server_reports_auto(container_host):
+    engine = container_host.engine
+    name, port = container_host.run(*SPEC)
+    tag = f"dynspec-test/sglang:auto-{name}"
+    out = apply(container_host, threshold="auto", commit_image=tag)
+    assert out["restart"]["restarted"] is True
+    assert json.loads(out["image"]["changes"][0][len("CMD "):])[-2:] == [
+        "--speculative-disable-batch-threshold", "auto"]
+    engine.cli("rm", "-f", name)
+    engine.cli("run", "-d", "--pull=never", "--network", "host", "--name", name, tag)
+    wait_healthy(port)
+    assert server_info(port)[FIELD] == "auto"
+    st = rc.status(container_host.options())
+    assert st["host_state"] == "patched" and st["running_threshold"] == "auto"
+    engine.cli("rm", "-f", name)
+    engine.cli("rmi", tag)
+
+
 def test_a_patch_partly_in_the_image_is_not_durable(container_host):
     """An image that carries the v1 patch (--commit-image), then the v2 worker patched in a
     container of it: v2's patch lives only in the container's layer, so the patch as a whole

@@ -6,7 +6,8 @@ discovery finds the real package dir and the real version. The server:
 
 - parses ``--flag value`` / ``--flag=value`` / bare ``--flag`` into snake_case server args;
 - refuses ``--speculative-disable-batch-threshold`` (like argparse) unless the installed
-  ``srt/server_args.py`` really carries the field, i.e. the package is patched;
+  ``srt/server_args.py`` really carries the field, i.e. the package is patched; its value is an
+  integer or ``auto`` (reported as the string, as the patched ServerArgs holds it);
 - computes the effective ``disable_overlap_schedule`` with the release's own rule (Addendum
   table), so it can differ from the command line, and reports it;
 - serves ``/get_server_info`` (all releases) and ``/server_info`` (0.5.6+), ``/get_model_info``
@@ -45,6 +46,8 @@ BOOL_FLAGS = {"disable_overlap_schedule", "enable_beta_spec", "speculative_adapt
               "enable_dp_attention", "enable_two_batch_overlap", "enable_pdmux"}
 INT_FLAGS = {"port", "speculative_eagle_topk", "speculative_num_steps",
              "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "tp_size"}
+# the patched server's flag also takes the word auto (its own controller picks each step)
+AUTO_WORD = {"speculative_disable_batch_threshold": "auto"}
 
 
 def read(rel: str) -> str:
@@ -102,7 +105,7 @@ def parse(argv: list[str]) -> dict:
             i += 2
         else:
             i += 1
-        args[key] = int(value) if key in INT_FLAGS else value
+        args[key] = int(value) if key in INT_FLAGS and value != AUTO_WORD.get(key) else value
     return args
 
 

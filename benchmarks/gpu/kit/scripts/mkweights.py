@@ -2,6 +2,9 @@
 
 usage: python3 mkweights.py OUTDIR [8b|1b]     (makes OUTDIR/succ-SIZE and OUTDIR/succ-eagle3-SIZE)
 Needs torch and safetensors (the GPU host has both); builds on the GPU when there is one.
+The 8b target is ~16 GB of bf16: it is written in shards of at most SHARD_BYTES (each copied to
+the CPU only while it is written) with a model.safetensors.index.json, and the time of each
+stage (build + verify on the device, copy + write) is printed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import crafted
 from mkmodels import SHAPES, draft_config, target_config
 
 GATE_SCALE = 8.0  # silu(8) ~ 8: a neuron fires only on its own token's code
+SHARD_BYTES = 4 << 30  # one shard's bytes (the 1b target fits one: model.safetensors)
 
 
 def codes(hidden: int, device: str) -> torch.Tensor:
@@ -110,12 +114,50 @@ def make_tensors(shape: dict, device: str) -> tuple[dict, dict]:
     return target, draft
 
 
-def build(size: str, out_dir: str) -> None:
+def shards(tensors: dict, limit: int) -> list[list[str]]:
+    """Tensor names in order, grouped so that each group holds at most ``limit`` bytes (a
+    larger tensor gets a group of its own)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def save_sharded(tensors: dict, directory: str) -> int:
+    """Write ``tensors`` as safetensors shards (+ index when more than one); bytes written."""
     from safetensors.torch import save_file
 
+    groups = shards(tensors, SHARD_BYTES)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map, total = {}, 0
+    for file_name, group in zip(names, groups, strict=True):
+        part = {k: tensors[k].detach().cpu().contiguous() for k in group}
+        save_file(part, os.path.join(directory, file_name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        weight_map |= dict.fromkeys(group, file_name)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+    return total
+
+
+def build(size: str, out_dir: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.time()
     target, draft = make_tensors(SHAPES[size], device)
     verify(target, draft, SHAPES[size]["hidden_size"])
+    print(f"built and verified on {device} in {time.time() - t0:.1f}s", flush=True)
     vocab = crafted.VOCAB
     for name, cfg, tensors in (
         (f"succ-{size}", target_config(size), target),
@@ -123,15 +165,18 @@ def build(size: str, out_dir: str) -> None:
     ):
         d = os.path.join(out_dir, name)
         os.makedirs(d, exist_ok=True)
+        for stale in os.listdir(d):  # shards of an earlier run with another layout
+            if stale.endswith((".safetensors", ".safetensors.index.json")):
+                os.remove(os.path.join(d, stale))
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
         with open(os.path.join(d, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": 128000, "eos_token_id": 128001}, f)
-        save_file(
-            {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()},
-            os.path.join(d, "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        t = time.time()
+        written = save_sharded(tensors, d)
+        took = time.time() - t
+        print(f"{name}: {written / 2**30:.1f} GiB written in {took:.1f}s "
+              f"({written / 2**30 / max(took, 1e-9):.2f} GiB/s)", flush=True)
 
 
 def verify(target: dict, draft: dict, hidden: int) -> None:

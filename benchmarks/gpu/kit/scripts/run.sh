@@ -19,6 +19,11 @@
 #       (SGLang's own --speculative-adaptive with a steps-0 config above T)
 #   check-base | check-eagle-v2 | check-dyn-v2 | check-dyn-v1                  greedy checks on
 #       the crafted 1b successor models (crafted.py) with the strict KV-leak check on
+#   env-base | env-eagle | env-fixed-T<N> | env-auto      the envelope (issue 16, envelope.py) on
+#       the crafted ENV_SIZE (8b) models: plain, unpatched EAGLE-3, patched overlay with T = N,
+#       patched overlay with `auto`; needs `bash run.sh setup-env` (writes the crafted weights)
+#       once after setup. ENV_LEVELS (1,4,16,32,64,128), REGIONS (accept0,accept50,accept90,mix;
+#       env-base: BASE_REGIONS, accept90), ENV_DURATION (5), ENV_REPEATS (1), OLEN (128)
 #
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
@@ -61,6 +66,13 @@ main()
 EOF
 }
 
+env_args() {   # the envelope client's options for variant $1 (plain decoding: one region)
+  local regions=${REGIONS:-accept0,accept50,accept90,mix}
+  case "$1" in env-base) regions=${BASE_REGIONS:-accept90};; esac
+  echo --levels "${ENV_LEVELS:-1,4,16,32,64,128}" --regions "$regions" \
+    --duration "${ENV_DURATION:-5}" --repeats "${ENV_REPEATS:-1}" --olen "${OLEN:-128}"
+}
+
 phase=${1:-}; shift || true
 case "$phase" in
 install)
@@ -92,13 +104,18 @@ setup)
   PYTHONPATH=$SITE "$PY" -c "import torch, sgl_kernel; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
   echo "setup done in $(( $(date +%s)-t ))s"
   ;;
+setup-env)   # the crafted ENV_SIZE (8b: ~16 GB) successor target + EAGLE-3 draft
+  PYTHONPATH=$SITE "$PY" "$HERE/mkweights.py" "$M" "${ENV_SIZE:-8b}" || exit 1
+  ;;
 session)
   hook=""; [ -f "$WORK/act_fallback" ] && { hook="$HERE/hook:"; export KIT_ACT_FALLBACK=1; }
   for VARIANT in "$@"; do
     V=$VARIANT${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
     left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
-    need=230; case "$V" in check-*) need=120;; esac
+    need=230; case "$V" in check-*) need=120;;
+      env-*) est=$("$PY" "$HERE/envelope.py" - - - $(env_args "$V") --estimate) || continue
+             need=$(( 130 + est ));; esac
     [ "$left" -lt "$need" ] && { echo "[$V] deferred: ${left}s left in this call"; continue; }
     path="$hook$SITE"; envs=(); size=8b
     flags=(--load-format dummy --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch
@@ -106,7 +123,8 @@ session)
            --host 127.0.0.1 --port "$PORT")
     model=$M/llama-8b; draft=$M/eagle3-8b${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     case "$V" in check-*) model=$M/succ-1b; draft=$M/succ-eagle3-1b; flags=("${flags[@]:2}")
-                          envs+=(SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1);; esac
+                          envs+=(SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1);;
+      env-*) model=$M/succ-${ENV_SIZE:-8b}; draft=$M/succ-eagle3-${ENV_SIZE:-8b}; flags=("${flags[@]:2}");; esac
     spec=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$draft" --speculative-num-steps 3
           --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
     case "$VARIANT" in
@@ -123,6 +141,12 @@ session)
         [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV})
         case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
         case "$VARIANT" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
+      env-base) spec=();;
+      env-eagle) ;;
+      env-fixed-T*|env-auto)
+        t=${VARIANT#env-fixed-T}; [ "$VARIANT" = env-auto ] && t=auto
+        path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$t")
+        [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV});;
       *) echo "unknown variant $V"; continue;;
     esac
     LOG=$LOGS/$V.server.log; t0=$(date +%s)
@@ -140,6 +164,7 @@ session)
       budget=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) - 25 ))
       case "$V" in
         check-*) timeout "$budget" "$PY" "$HERE/check.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V";;
+        env-*) timeout "$budget" "$PY" "$HERE/envelope.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" $(env_args "$V");;
         *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
              --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS";;
       esac
@@ -181,5 +206,5 @@ EOF
   done > "$OUT/excerpts.txt" 2>&1
   tar czf "$OUT/server-logs.tgz" -C "$LOGS" . 2>/dev/null
   ;;
-*) sed -n 2,22p "$0"; exit 2;;
+*) sed -n 2,27p "$0"; exit 2;;
 esac

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 ARGUMENT_SPEC = {
     "state": {"type": "str", "default": "present", "choices": ["present", "absent"]},
-    "threshold": {"type": "int"},
+    "threshold": {"type": "raw"},  # an int 1..65536 or "auto" (checked by patcher.engine)
     "worker": {"type": "str", "default": "auto", "choices": ["auto", "v1", "v2", "both"]},
     "route": {"type": "str", "choices": ["patch", "native"]},
     "restart": {"type": "bool", "default": True},

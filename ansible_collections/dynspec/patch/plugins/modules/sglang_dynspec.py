@@ -47,9 +47,11 @@ options:
   threshold:
     description:
       - Decode batch size above which the EAGLE worker stops speculating
-        (C(--speculative-disable-batch-threshold)). Without it the files are patched and the
-        launch flags are left as they are.
-    type: int
+        (C(--speculative-disable-batch-threshold)), an integer from 1 to 65536, or V(auto),
+        with which the patched server picks a plain or a speculative step at each batch size
+        by expected tokens per second (patch route only, V(route=native) refuses it). Without
+        it the files are patched and the launch flags are left as they are.
+    type: raw
   worker:
     description:
       - Which worker to patch; V(auto) patches the worker the running server really uses.
@@ -137,6 +139,10 @@ EXAMPLES = r"""
         state: present
         threshold: 32
         router: http://router.internal:30000
+
+- name: No threshold to tune, the server picks plain or speculative steps itself
+  dynspec.patch.sglang_dynspec:
+    threshold: auto
 
 - name: See what would change (check mode with a diff), all hosts at once
   dynspec.patch.sglang_dynspec:

@@ -1,0 +1,259 @@
+"""The envelope table and plot (issue 16) from the kit's envelope results.
+
+usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG]
+  RESULTS_JSON  name -> envelope.py result, as the kit's session writes $OUT/results.json:
+                env-base (plain decoding), env-eagle (unpatched EAGLE-3), env-fixed-T<N> (one
+                per hand-picked T), env-auto (--speculative-disable-batch-threshold auto)
+  OUT_SVG       the plot (default: envelope.svg beside RESULTS_JSON): output tok/s against
+                concurrency, one panel per acceptance region, the servers as lines
+
+Per region and concurrency c the table shows each server's output tok/s (the mean of its
+repeats), the best fixed T at that c (which T in brackets), auto ÷ max(plain, EAGLE-3) and
+auto ÷ best fixed T, then each region's worst ratio against the issue's goals (>= 0.95, >= 0.97).
+Plain decoding does not depend on the region: where env-base ran fewer regions than auto, its
+one region stands for all. Standard library only (the SVG is written by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PLAIN, EAGLE, AUTO, FIXED_PREFIX = "env-base", "env-eagle", "env-auto", "env-fixed-T"
+GOAL_VS_MAX = 0.95  # auto >= 95 % of max(plain, unpatched EAGLE-3)
+GOAL_VS_FIXED = 0.97  # auto within 3 % of the best fixed T
+COLOURS = {PLAIN: "#1f77b4", EAGLE: "#ff7f0e", AUTO: "#d62728"}
+FIXED_COLOURS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+
+
+def tok_s(result: dict) -> dict[str, dict[int, float]]:
+    """region -> concurrency -> mean output tok/s over the repeats (failed levels left out)."""
+    values: dict[str, dict[int, list[float]]] = {}
+    for level in result.get("levels", []):
+        if "output_tok_per_s" not in level:
+            continue
+        region = values.setdefault(level.get("region", "?"), {})
+        region.setdefault(int(level["concurrency"]), []).append(float(level["output_tok_per_s"]))
+    return {r: {c: statistics.mean(v) for c, v in by_c.items()} for r, by_c in values.items()}
+
+
+def fixed_thresholds(results: dict) -> list[tuple[int, str]]:
+    out = []
+    for name in results:
+        if name.startswith(FIXED_PREFIX) and name[len(FIXED_PREFIX):].isdigit():
+            out.append((int(name[len(FIXED_PREFIX):]), name))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Row:
+    concurrency: int
+    plain: float | None
+    eagle: float | None
+    fixed: dict[int, float]  # T -> tok/s
+    auto: float | None
+
+    @property
+    def best_fixed(self) -> tuple[int, float] | None:
+        if not self.fixed:
+            return None
+        t = max(self.fixed, key=lambda k: (self.fixed[k], -k))
+        return t, self.fixed[t]
+
+    @property
+    def vs_max(self) -> float | None:
+        known = [v for v in (self.plain, self.eagle) if v is not None]
+        if self.auto is None or not known:
+            return None
+        return self.auto / max(known)
+
+    @property
+    def vs_fixed(self) -> float | None:
+        best = self.best_fixed
+        return None if self.auto is None or best is None else self.auto / best[1]
+
+
+def plain_region(plain: dict[str, dict[int, float]], region: str) -> dict[int, float]:
+    """Plain decoding at ``region``, or its one measured region standing for every region."""
+    if region in plain:
+        return plain[region]
+    return next(iter(plain.values())) if len(plain) == 1 else {}
+
+
+def envelope(results: dict) -> dict[str, list[Row]]:
+    """region -> one Row per concurrency that any server measured there."""
+    auto, eagle, plain = (tok_s(results.get(k, {})) for k in (AUTO, EAGLE, PLAIN))
+    fixed = {t: tok_s(results[name]) for t, name in fixed_thresholds(results)}
+    regions = list(results.get(AUTO, {}).get("regions") or auto or eagle)
+    for by_region in (eagle, *fixed.values()):
+        regions += [r for r in by_region if r not in regions]
+    table: dict[str, list[Row]] = {}
+    for region in regions:
+        base = plain_region(plain, region)
+        series = [auto.get(region, {}), eagle.get(region, {}), base,
+                  *(f.get(region, {}) for f in fixed.values())]
+        levels = sorted({c for s in series for c in s})
+        table[region] = [
+            Row(c, base.get(c), eagle.get(region, {}).get(c),
+                {t: f[region][c] for t, f in fixed.items() if c in f.get(region, {})},
+                auto.get(region, {}).get(c))
+            for c in levels
+        ]
+    return table
+
+
+def _cell(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown(table: dict[str, list[Row]]) -> str:
+    out = []
+    for region, rows in table.items():
+        out += [f"### {region}", "",
+                "| c | plain | EAGLE-3 | best fixed T | auto | auto ÷ max(plain, EAGLE-3) "
+                "| auto ÷ best fixed T |", "|---|---|---|---|---|---|---|"]
+        for row in rows:
+            best = row.best_fixed
+            fixed = "–" if best is None else f"{best[1]:.1f} (T{best[0]})"
+            out.append(f"| {row.concurrency} | {_cell(row.plain)} | {_cell(row.eagle)} | "
+                       f"{fixed} | {_cell(row.auto)} | {_cell(row.vs_max, '{:.3f}')} | "
+                       f"{_cell(row.vs_fixed, '{:.3f}')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def goals(table: dict[str, list[Row]]) -> str:
+    out = ["| region | worst auto ÷ max(plain, EAGLE-3) (c) | goal 0.95 | "
+           "worst auto ÷ best fixed T (c) | goal 0.97 |", "|---|---|---|---|---|"]
+    for region, rows in table.items():
+        cells = []
+        for ratio, goal in ((Row.vs_max, GOAL_VS_MAX), (Row.vs_fixed, GOAL_VS_FIXED)):
+            known = [(ratio.fget(r), r.concurrency) for r in rows if ratio.fget(r) is not None]
+            if not known:
+                cells += ["–", "not measured"]
+                continue
+            worst, at = min(known)
+            cells += [f"{worst:.3f} (c = {at})", "met" if worst >= goal else "**not met**"]
+        out.append(f"| {region} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def correctness(results: dict) -> str:
+    out = ["| server | requests | failed | mismatched outputs |", "|---|---|---|---|"]
+    for name, result in results.items():
+        levels = [lv for lv in result.get("levels", []) if "requests" in lv]
+        if not levels:
+            continue
+        total = [sum(lv.get(k, 0) for lv in levels) for k in ("requests", "failed", "mismatched")]
+        out.append(f"| {name} | " + " | ".join(str(n) for n in total) + " |")
+    return "\n".join(out)
+
+
+def svg(results: dict, table: dict[str, list[Row]], title: str) -> str:
+    """Output tok/s against concurrency (log2 x axis), one panel per region."""
+    pw, ph, ml, mb, mt = 330, 240, 58, 40, 28
+    cols = 2
+    rows_n = math.ceil(len(table) / cols)
+    width, height = cols * (pw + ml + 20) + 10, rows_n * (ph + mb + mt) + 70
+    servers = [(PLAIN, "plain decoding", COLOURS[PLAIN], "6,3"),
+               (EAGLE, "EAGLE-3, unpatched", COLOURS[EAGLE], "6,3")]
+    for i, (t, name) in enumerate(fixed_thresholds(results)):
+        servers.append((name, f"fixed T = {t}", FIXED_COLOURS[i % len(FIXED_COLOURS)], "2,2"))
+    servers.append((AUTO, "auto", COLOURS[AUTO], ""))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14">'
+             f'{_escape(title)}</text>']
+    for index, (region, rows) in enumerate(table.items()):
+        x0 = 10 + (index % cols) * (pw + ml + 20) + ml
+        y0 = 30 + (index // cols) * (ph + mb + mt) + mt
+        parts.append(_panel(region, rows, servers, x0, y0, pw, ph))
+    ly = height - 30
+    for i, (_, label, colour, dash) in enumerate(servers):
+        lx = 20 + i * (width - 40) / len(servers)
+        parts.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 24}" y2="{ly}" stroke="{colour}" '
+                     f'stroke-width="2" stroke-dasharray="{dash}"/>'
+                     f'<text x="{lx + 28}" y="{ly + 4}">{_escape(label)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _series(rows: list[Row], name: str) -> dict[int, float]:
+    out = {}
+    for row in rows:
+        value = {PLAIN: row.plain, EAGLE: row.eagle, AUTO: row.auto}.get(name)
+        if name.startswith(FIXED_PREFIX):
+            value = row.fixed.get(int(name[len(FIXED_PREFIX):]))
+        if value is not None:
+            out[row.concurrency] = value
+    return out
+
+
+def _panel(region: str, rows: list[Row], servers: list, x0: float, y0: float, pw: float,
+           ph: float) -> str:
+    levels = [r.concurrency for r in rows]
+    top = max([v for name, *_ in servers for v in _series(rows, name).values()] or [1.0])
+    lo, hi = math.log2(min(levels or [1])), math.log2(max(levels or [2]))
+    span = (hi - lo) or 1.0
+
+    def x(c: int) -> float:
+        return x0 + (math.log2(c) - lo) / span * pw
+
+    def y(v: float) -> float:
+        return y0 + ph - v / (top * 1.05) * ph
+
+    out = [f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
+           f'<text x="{x0 + pw / 2}" y="{y0 - 8}" text-anchor="middle" font-size="12">'
+           f'{_escape(region)}</text>']
+    for c in levels:
+        out.append(f'<text x="{x(c):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{c}</text>')
+    for k in range(5):
+        v = top * 1.05 * k / 4
+        out.append(f'<line x1="{x0}" y1="{y(v):.1f}" x2="{x0 + pw}" y2="{y(v):.1f}" '
+                   f'stroke="#eee"/><text x="{x0 - 4}" y="{y(v) + 4:.1f}" '
+                   f'text-anchor="end">{v:.0f}</text>')
+    out.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 30}" text-anchor="middle">'
+               'concurrency</text>')
+    for name, _label, colour, dash in servers:
+        points = _series(rows, name)
+        if not points:
+            continue
+        path = " ".join(f"{x(c):.1f},{y(v):.1f}" for c, v in sorted(points.items()))
+        width = 2.5 if name == AUTO else 1.5
+        out.append(f'<polyline data-server="{name}" points="{path}" fill="none" '
+                   f'stroke="{colour}" stroke-width="{width}" stroke-dasharray="{dash}"/>')
+    return "\n".join(out)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit(__doc__)
+    path = Path(argv[0])
+    results = json.loads(path.read_text())
+    out_svg = Path(argv[1]) if len(argv) > 1 else path.parent / "envelope.svg"
+    table = envelope(results)
+    args = results.get(AUTO, {}).get("effective_args") or {}
+    print("## Envelope: output tok/s per concurrency and acceptance region\n")
+    print(f"auto server: threshold {args.get('speculative_disable_batch_threshold')!r}, "
+          f"SGLang {args.get('version')}, model {args.get('model_path')}\n")
+    print(markdown(table))
+    print("## Goals\n")
+    print(goals(table))
+    print("\n## Outputs checked against the crafted continuation\n")
+    print(correctness(results))
+    title = f"output tok/s vs concurrency, SGLang {args.get('version') or '?'}"
+    out_svg.write_text(svg(results, table, title))
+    print(f"\nwrote {out_svg}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

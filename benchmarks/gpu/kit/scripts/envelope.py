@@ -1,0 +1,223 @@
+"""The envelope sweep (issue 16): tokens/s per concurrency per draft-acceptance region, one server.
+
+usage: python3 envelope.py URL OUT.json NAME [--levels 1,4,16,32,64,128]
+           [--regions accept0,accept50,accept90,mix] [--duration 10] [--repeats 2]
+           [--plen 64] [--olen 128] [--estimate]
+
+The server runs the crafted successor models (crafted.py): a prompt's tokens pick its region, so
+the draft's acceptance is ~0 %, ~50 % or ~90 % ("mix": each client cycles through the three
+regions request by request, so every batch holds all three). For each region and each level c a
+closed loop of c clients runs for >= DURATION s (each client sends its next request as its last
+one returns; the requests in flight then finish), REPEATS times in a row, as client.py does.
+Every output is checked against the model's analytic continuation (``mismatched``).
+
+Writes the kit's client format (name, url, server_info, effective_args, levels, errors) with
+each level's ``region``; the file is rewritten after every level, so a timeout keeps what ran.
+``--estimate`` prints the expected seconds and exits (run.sh checks them against its deadline);
+the estimate is printed before every sweep too. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import crafted
+
+MIX = "mix"
+REGION_NAMES = tuple(name for name, _ in crafted.REGIONS)
+EFFECTIVE_KEYS = (
+    "speculative_algorithm",
+    "disable_overlap_schedule",
+    "speculative_eagle_topk",
+    "speculative_num_steps",
+    "speculative_num_draft_tokens",
+    "speculative_disable_batch_threshold",
+    "speculative_adaptive",
+    "speculative_adaptive_config",
+    "tp_size",
+    "dp_size",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    "max_running_requests",
+    "attention_backend",
+    "model_path",
+    "version",
+)
+WARMUP_S = 15.0  # server info, warm-up requests
+# Seconds after DURATION until a level's last requests finish: OLEN tokens at ~20 ms a token (the
+# slowest case measured, unpatched EAGLE-3 at c = 128, is ~50 tokens/s per request).
+TAIL_S_PER_TOKEN = 0.02
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("url")
+    ap.add_argument("out")
+    ap.add_argument("name")
+    ap.add_argument("--levels", default="1,4,16,32,64,128")
+    ap.add_argument("--regions", default=",".join((*REGION_NAMES, MIX)))
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--plen", type=int, default=64)
+    ap.add_argument("--olen", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--estimate", action="store_true")
+    a = ap.parse_args(argv)
+    a.level_list = [int(x) for x in a.levels.split(",") if x]
+    a.region_list = [r for r in a.regions.split(",") if r]
+    unknown = [r for r in a.region_list if r not in (*REGION_NAMES, MIX)]
+    if unknown or not a.region_list or not a.level_list or min(a.level_list) < 1:
+        ap.error(f"--regions from {', '.join((*REGION_NAMES, MIX))}; --levels integers >= 1")
+    return a
+
+
+def estimate_s(levels: int, regions: int, repeats: int, duration: float, olen: int) -> int:
+    """Expected seconds of one sweep (server start not included)."""
+    return round(WARMUP_S + levels * regions * repeats * (duration + olen * TAIL_S_PER_TOKEN))
+
+
+def prompt(rng: random.Random, region: int, length: int) -> list[int]:
+    start = crafted.region_start(region)
+    return [rng.randrange(start, start + crafted.REGION_SIZE) for _ in range(length)]
+
+
+def region_of_request(region: str, client: int, sent: int) -> int:
+    """The region index of a client's ``sent``-th request ("mix": all three, in turn)."""
+    if region == MIX:
+        return (client + sent) % len(REGION_NAMES)
+    return REGION_NAMES.index(region)
+
+
+class Sweep:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+
+    def generate(self, ids: list[int]) -> dict:
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": self.a.olen, "temperature": 0,
+                                "ignore_eos": True},
+        }
+        req = urllib.request.Request(self.a.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=self.a.timeout) as r:
+                out = json.loads(r.read())
+        except (OSError, ValueError) as exc:  # URLError, a reset, a bad body
+            return {"error": repr(exc)}
+        out = out[0] if isinstance(out, list) else out
+        got = out.get("output_ids") or []
+        meta = out.get("meta_info") or {}
+        return {
+            "latency_s": time.perf_counter() - t,
+            "tokens": meta.get("completion_tokens", len(got)),
+            "mismatched": got != crafted.expected_continuation(ids, self.a.olen),
+            "accept_length": meta.get("spec_accept_length"),
+        }
+
+    def level(self, region: str, conc: int, seed: int) -> dict:
+        """One closed loop of ``conc`` clients for >= duration seconds."""
+        duration, t0 = self.a.duration, time.perf_counter()
+
+        def client(k: int) -> list[dict]:
+            rng, done = random.Random(seed * 1000 + k), []
+            while time.perf_counter() - t0 < duration:
+                ids = prompt(rng, region_of_request(region, k, len(done)), self.a.plen)
+                done.append(self.generate(ids))
+            return done
+
+        with ThreadPoolExecutor(conc) as ex:
+            res = [r for part in ex.map(client, range(conc)) for r in part]
+        return summarize(res, time.perf_counter() - t0, conc)
+
+
+def summarize(res: list[dict], wall: float, conc: int) -> dict:
+    ok = [r for r in res if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    d = {
+        "concurrency": conc,
+        "requests": len(res),
+        "failed": len(res) - len(ok),
+        "mismatched": sum(r["mismatched"] for r in ok),
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / wall, 1),
+        "req_per_s": round(len(ok) / wall, 3),
+    }
+    if ok:
+        d["mean_latency_s"] = round(statistics.mean(r["latency_s"] for r in ok), 3)
+        d["mean_tpot_ms"] = round(
+            statistics.mean(r["latency_s"] / max(1, r["tokens"]) * 1000 for r in ok), 3)
+    acc = [r["accept_length"] for r in ok if r["accept_length"] is not None]
+    if acc:
+        d["mean_spec_accept_length"] = round(statistics.mean(acc), 3)
+    errors = [r["error"] for r in res if "error" in r]
+    if errors:
+        d["first_error"] = errors[0]
+    return d
+
+
+def server_info(url: str) -> tuple[dict, str | None]:
+    error = None
+    for path in ("/get_server_info", "/server_info"):
+        try:
+            with urllib.request.urlopen(url + path, timeout=30) as r:
+                return json.loads(r.read()), None
+        except (OSError, ValueError) as exc:
+            error = f"server_info: {exc!r}"
+    return {}, error
+
+
+def main(argv: list[str]) -> None:
+    a = parse_args(argv)
+    planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, a.olen)
+    if a.estimate:
+        print(planned)
+        return
+    print(f"envelope {a.name}: {len(a.region_list)} regions x {len(a.level_list)} levels x "
+          f"{a.repeats} repeats of >= {a.duration:g}s: about {planned}s", flush=True)
+    started = time.perf_counter()
+    info, error = server_info(a.url)
+    out: dict = {
+        "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "duration_s": a.duration,
+        "repeats": a.repeats, "regions": a.region_list, "estimated_s": planned,
+        "server_info": info, "effective_args": {k: info.get(k) for k in EFFECTIVE_KEYS},
+        "levels": [], "errors": [error] if error else [],
+    }
+    print("effective args:", json.dumps(out["effective_args"]), flush=True)
+    sweep = Sweep(a)
+    rng = random.Random(7)
+    with ThreadPoolExecutor(4) as ex:  # warm-up: lazy compiles stay out of the first level
+        warm = list(ex.map(sweep.generate, [prompt(rng, i % 3, a.plen) for i in range(8)]))
+    out["errors"] += [f"warmup: {w['error']}" for w in warm if "error" in w]
+    for region in a.region_list:
+        for conc in a.level_list:
+            for rep in range(a.repeats):
+                d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep)}
+                d |= {"repeat": rep, "duration_s": a.duration}
+                if d["failed"]:
+                    out["errors"].append(f"{region} c={conc}: {d['first_error']}")
+                out["levels"].append(d)
+                print(json.dumps(d), flush=True)
+                out["elapsed_s"] = round(time.perf_counter() - started, 1)
+                with open(a.out, "w") as f:
+                    json.dump(out, f)
+    out["elapsed_s"] = round(time.perf_counter() - started, 1)
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+    print(f"wrote {a.out} in {out['elapsed_s']}s (estimated {planned}s)", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

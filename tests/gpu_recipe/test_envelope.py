@@ -1,0 +1,207 @@
+"""The envelope benchmark's CPU-checkable parts (issue 16): envelope.py against a stdlib stand-in
+for a server of the crafted models on 127.0.0.1, and envelope_report.py's arithmetic and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU / "kit" / "scripts"))
+sys.path.insert(0, str(GPU))
+
+import crafted  # noqa: E402
+import envelope_report  # noqa: E402
+
+ACCEPT = {"accept0": 1.0, "accept50": 2.0, "accept90": 3.5}  # the stand-in's accept lengths
+
+
+class CraftedStub(BaseHTTPRequestHandler):
+    """Continues prompts as the crafted target does (optionally dropping a token), reports the
+    region's accept length, and records the regions in flight at each request's start."""
+
+    drop_at: int | None = None
+    lock = threading.Lock()
+    in_flight: ClassVar[list[int]] = []
+    seen: ClassVar[list[tuple[str, frozenset[str]]]] = []  # (region, regions in flight then)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._reply({"speculative_algorithm": "EAGLE3", "version": "stub",
+                     "speculative_disable_batch_threshold": "auto"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        region = crafted.REGIONS[crafted.region_of(ids[0])][0]
+        with self.lock:
+            self.in_flight.append(crafted.region_of(ids[0]))
+            names = frozenset(crafted.REGIONS[i][0] for i in self.in_flight)
+            self.seen.append((region, names))
+        time.sleep(0.01)
+        out = crafted.expected_continuation(ids, n + 1)
+        if self.drop_at is not None:
+            del out[self.drop_at]
+        with self.lock:
+            self.in_flight.remove(crafted.region_of(ids[0]))
+        self._reply({"output_ids": out[:n],
+                     "meta_info": {"completion_tokens": n, "spec_accept_length": ACCEPT[region]}})
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128
+    daemon_threads = True
+
+
+@pytest.fixture
+def crafted_url() -> Iterator[str]:
+    server = _Server(("127.0.0.1", 0), CraftedStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    CraftedStub.drop_at = None
+    CraftedStub.seen.clear()
+
+
+def run_envelope(url: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(GPU / "kit" / "scripts" / "envelope.py"), url, str(out), "env-auto",
+           "--olen", "8", "--plen", "16", *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+
+
+def test_every_region_and_level_is_a_closed_loop_with_checked_outputs(crafted_url, tmp_path):
+    out = tmp_path / "env.json"
+    done = run_envelope(crafted_url, out, "--levels", "1,4", "--regions", "accept0,accept90,mix",
+                        "--duration", "0.3", "--repeats", "2")
+    assert "about" in done.stdout.splitlines()[0]  # the estimate is printed before the sweep
+    result = json.loads(out.read_text())
+    assert result["effective_args"]["speculative_disable_batch_threshold"] == "auto"
+    assert result["regions"] == ["accept0", "accept90", "mix"] and result["errors"] == []
+    assert [(d["region"], d["concurrency"], d["repeat"]) for d in result["levels"]] == [
+        (r, c, rep) for r in ("accept0", "accept90", "mix") for c in (1, 4) for rep in (0, 1)]
+    for d in result["levels"]:
+        assert d["wall_s"] >= 0.3 and d["failed"] == 0 and d["mismatched"] == 0, d
+        assert d["requests"] >= 10 * d["concurrency"], d  # 10 ms a request, for >= 0.3 s
+        assert d["output_tokens"] == 8 * d["requests"]
+    by_region = {d["region"]: d["mean_spec_accept_length"] for d in result["levels"]}
+    assert by_region["accept0"] == 1.0 and by_region["accept90"] == 3.5
+    assert 1.0 < by_region["mix"] < 3.5  # the mix's requests come from every region
+    mixed = [names for region, names in CraftedStub.seen[-200:] if len(names) > 1]
+    assert any(names == frozenset(ACCEPT) for names in mixed)  # all three in flight at once
+
+
+def test_a_stream_that_skips_a_token_counts_as_mismatched(crafted_url, tmp_path):
+    CraftedStub.drop_at = 3
+    out = tmp_path / "env.json"
+    run_envelope(crafted_url, out, "--levels", "2", "--regions", "accept50", "--duration", "0.2",
+                 "--repeats", "1")
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["requests"] > 0 and level["mismatched"] == level["requests"]
+
+
+def test_the_estimate_counts_levels_regions_repeats_and_the_tail():
+    cmd = [sys.executable, str(GPU / "kit" / "scripts" / "envelope.py"), "-", "-", "-",
+           "--levels", "1,4,16", "--regions", "accept0,mix", "--duration", "5", "--repeats", "2",
+           "--olen", "100", "--estimate"]
+    seconds = int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    assert seconds == round(15 + 3 * 2 * 2 * (5 + 100 * 0.02))
+    bad = subprocess.run([*cmd[:5], "--regions", "accept42", "--estimate"], capture_output=True)
+    assert bad.returncode == 2
+
+
+def level(region: str, c: int, tok_s: float, repeat: int = 0) -> dict:
+    return {"region": region, "concurrency": c, "repeat": repeat, "output_tok_per_s": tok_s,
+            "requests": 4, "failed": 0, "mismatched": 0}
+
+
+RESULTS = {
+    # plain decoding measured on one region only: it stands for every region
+    "env-base": {"levels": [level("accept90", 1, 200), level("accept90", 64, 7900),
+                            level("accept90", 64, 8100, 1)]},
+    "env-eagle": {"levels": [level("accept0", 1, 130), level("accept0", 64, 2400),
+                             level("accept90", 1, 300), level("accept90", 64, 3000)]},
+    "env-fixed-T16": {"levels": [level("accept0", 1, 131), level("accept0", 64, 6800)]},
+    "env-fixed-T4": {"levels": [level("accept0", 1, 128), level("accept0", 64, 7000)]},
+    "env-auto": {"regions": ["accept0", "accept90"],
+                 "effective_args": {"speculative_disable_batch_threshold": "auto"},
+                 "levels": [level("accept0", 1, 135), level("accept0", 64, 7600),
+                            level("accept90", 1, 290), level("accept90", 64, 7800)]},
+}
+
+
+def test_the_envelope_table_takes_means_the_best_fixed_t_and_both_ratios():
+    table = envelope_report.envelope(RESULTS)
+    assert list(table) == ["accept0", "accept90"]
+    c1, c64 = table["accept0"]
+    assert (c64.plain, c64.eagle, c64.auto) == (8000, 2400, 7600)  # plain: mean of 2 repeats
+    assert c1.best_fixed == (16, 131) and c64.best_fixed == (4, 7000)
+    assert c1.vs_max == pytest.approx(135 / 200) and c64.vs_max == pytest.approx(0.95)
+    assert c64.vs_fixed == pytest.approx(7600 / 7000)
+    hi1, _ = table["accept90"]
+    assert hi1.vs_max == pytest.approx(290 / 300) and hi1.best_fixed is None
+    text = envelope_report.markdown(table)
+    assert "| 64 | 8000.0 | 2400.0 | 7000.0 (T4) | 7600.0 | 0.950 | 1.086 |" in text
+    assert "| 1 | 200.0 | 300.0 | – | 290.0 | 0.967 | – |" in text
+    goals = envelope_report.goals(table)
+    assert "| accept0 | 0.675 (c = 1) | **not met** | 1.031 (c = 1) | met |" in goals
+    assert "| accept90 | 0.967 (c = 1) | met | – | not measured |" in goals
+
+
+def test_the_plot_has_a_panel_per_region_and_a_line_per_server(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(RESULTS))
+    envelope_report.main([str(results)])
+    root = ET.fromstring((tmp_path / "envelope.svg").read_text())
+    lines = [e.get("data-server") for e in root.iter("{http://www.w3.org/2000/svg}polyline")]
+    assert sorted(lines) == sorted(["env-auto", "env-base", "env-eagle", "env-fixed-T4",
+                                    "env-fixed-T16", "env-auto", "env-base", "env-eagle"])
+
+
+def test_big_weights_go_out_in_shards_with_an_index(tmp_path, monkeypatch):
+    """The 8b target (~16 GB) is written shard by shard; safetensors itself is only on the GPU
+    host, so a stand-in save_file records what each shard holds."""
+    import types
+
+    import mkweights
+    import torch
+
+    written: dict[str, list[str]] = {}
+    fake = types.ModuleType("safetensors.torch")
+    fake.save_file = lambda part, path, metadata: written.__setitem__(  # type: ignore[attr-defined]
+        Path(path).name, [k for k, v in part.items() if v.device.type == "cpu"])
+    monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors.torch", fake)
+    tensors = {f"w{i}": torch.zeros(256, dtype=torch.bfloat16) for i in range(5)}  # 512 B each
+    monkeypatch.setattr(mkweights, "SHARD_BYTES", 1024)
+    assert mkweights.save_sharded(tensors, str(tmp_path)) == 5 * 512
+    assert written == {"model-00001-of-00003.safetensors": ["w0", "w1"],
+                       "model-00002-of-00003.safetensors": ["w2", "w3"],
+                       "model-00003-of-00003.safetensors": ["w4"]}
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 512
+    assert index["weight_map"]["w3"] == "model-00002-of-00003.safetensors"
+
+    written.clear()
+    monkeypatch.setattr(mkweights, "SHARD_BYTES", 4 << 30)
+    mkweights.save_sharded(tensors, str(tmp_path / "one"))
+    assert written == {"model.safetensors": list(tensors)}  # the 1b layout, as before
