@@ -159,16 +159,13 @@ def parse_threshold(value: Any) -> int | str:
     """The threshold field's value as the runtime uses it: an int 1..65536 or ``"auto"``."""
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
-    if isinstance(value, bool):
-        raise ValueError(f"threshold must be an integer 1..{MAX_THRESHOLD} or auto, got {value!r}")
-    try:
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
         number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"threshold must be an integer 1..{MAX_THRESHOLD} or auto, got {value!r}"
-        ) from None
-    if not 1 <= number <= MAX_THRESHOLD:
-        raise ValueError(f"threshold must be an integer 1..{MAX_THRESHOLD} or auto, got {number}")
+    if number is None or not 1 <= number <= MAX_THRESHOLD:
+        raise ValueError(f"threshold must be an integer 1..{MAX_THRESHOLD} or auto, got {value!r}")
     return number
 
 
@@ -302,6 +299,8 @@ class GoodputPolicy:
         self.n_probes = 0
         self.n_explores = 0
         self.last: Estimates | None = None  # the latest decision's estimates, when known
+        # Whether the latest step runs out of mode: a probe or an explore step.
+        self.last_out_of_mode = False
         self._wins = 0
         self._since_probe = 0
         self._probe_gap = self.config.probe_gap
@@ -333,6 +332,7 @@ class GoodputPolicy:
         else:
             self._wins = 0
         run_fallback = self.in_fallback
+        self.last_out_of_mode = True
         if self._explores(batch_size, step):
             run_fallback = not self.in_fallback
             self.n_explores += 1
@@ -343,6 +343,7 @@ class GoodputPolicy:
                 self._since_probe = 0
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
                 self.n_probes += 1
+        self.last_out_of_mode = run_fallback != self.in_fallback
         if run_fallback:
             self.n_fallback_steps += 1
         else:
@@ -430,6 +431,8 @@ class _Measured:
     timing: Any
     # Tokens per request of a speculative step, read when resolved (None: a fallback step).
     tokens_per_request: Callable[[], float] | None
+    # A speculative step run while in fallback (a probe): it re-measures acceptance outright.
+    probe: bool = False
 
 
 class Measurements:
@@ -437,7 +440,8 @@ class Measurements:
 
     The first time of each (mode, size) is dropped (it pays one-off compiles and allocator
     growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is an
-    EMA over speculative steps (probes included), kept while in fallback.
+    EMA over the speculative steps of a speculative stretch, kept while in fallback, where
+    each probe re-measures it (replaces it: a probe is rare and averages a large batch).
     """
 
     def __init__(self, config: AutoConfig, clock: Any) -> None:
@@ -467,15 +471,15 @@ class Measurements:
                 )
                 window.append(ms)
             if measured.tokens_per_request is not None:
-                self._add_acceptance(measured.tokens_per_request())
+                self._add_acceptance(measured.tokens_per_request(), measured.probe)
         self._pending = keep
 
-    def _add_acceptance(self, tokens: float) -> None:
+    def _add_acceptance(self, tokens: float, probe: bool) -> None:
         if tokens <= 0:
             return
         alpha = self.config.acceptance_alpha
         previous = self.tokens_per_step
-        if previous is not None:
+        if previous is not None and not probe:
             tokens = alpha * tokens + (1 - alpha) * previous
         self.tokens_per_step = tokens
 
@@ -575,6 +579,7 @@ class AutoController:
                 padded=padded_batch_size(batch_size, self.policy.graph_sizes),
                 timing=clock.stop(started),
                 tokens_per_request=tokens_per_request if speculative else None,
+                probe=speculative and self.policy.in_fallback,
             )
         )
 
