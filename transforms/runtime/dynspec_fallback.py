@@ -232,15 +232,24 @@ class Snapshot:
     tokens_per_step: float | None = None
     table: CostTable = dataclasses.field(default_factory=CostTable)
 
-    def to_wire(self) -> tuple[float | None, list[tuple[int, float | None, float | None]]]:
-        """Plain values for a broadcast (no class of this module crosses the wire)."""
-        rows = [(bs, spec, plain) for bs, (spec, plain) in sorted(self.table.entries.items())]
-        return self.tokens_per_step, rows
+    def to_wire(self) -> list[float]:
+        """Floats for a broadcast: tokens, then (bs, spec ms, plain ms) rows; NaN for None."""
+        nan = float("nan")
+        wire = [nan if self.tokens_per_step is None else self.tokens_per_step]
+        for bs, (spec, plain) in sorted(self.table.entries.items()):
+            wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
+        return wire
 
     @classmethod
-    def from_wire(cls, wire: Any) -> Snapshot:
-        tokens, rows = wire
-        return cls(tokens, CostTable({int(bs): (spec, plain) for bs, spec, plain in rows}))
+    def from_wire(cls, wire: list[float]) -> Snapshot:
+        def value(x: float) -> float | None:
+            return None if x != x else float(x)  # NaN: unknown
+
+        rows = wire[1:]
+        entries = {
+            int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
+        }
+        return cls(value(wire[0]), CostTable(entries))
 
 
 @dataclass(frozen=True)
@@ -493,15 +502,22 @@ class Measurements:
 
 
 def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
-    """``share`` for TP > 1: every rank gets the first rank's snapshot (a gloo broadcast)."""
+    """``share`` for TP > 1: every rank gets the first rank's snapshot (two CPU broadcasts:
+    its length, then its floats; the other ranks' ``mine`` is ignored)."""
+    import torch
     import torch.distributed as dist
 
     source = dist.get_global_rank(cpu_group, 0)
 
     def share(mine: Snapshot | None) -> Snapshot:
-        box = [mine.to_wire() if mine is not None else None]
-        dist.broadcast_object_list(box, src=source, group=cpu_group)
-        return Snapshot.from_wire(box[0])
+        wire = mine.to_wire() if mine is not None else []
+        length = torch.tensor([len(wire)], dtype=torch.int64)
+        dist.broadcast(length, src=source, group=cpu_group)
+        values = torch.tensor(wire, dtype=torch.float64)
+        if values.numel() != int(length[0]):
+            values = torch.zeros(int(length[0]), dtype=torch.float64)
+        dist.broadcast(values, src=source, group=cpu_group)
+        return Snapshot.from_wire(values.tolist())
 
     return share
 
