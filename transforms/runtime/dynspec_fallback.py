@@ -7,12 +7,45 @@ own verify/sample does the bookkeeping, and the worker's own draft-extend keeps 
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
 so speculation resumes without special handling.
 
+``--speculative-disable-batch-threshold auto`` (``AutoController``) decides each pure decode
+step by expected goodput at its batch size padded to the CUDA-graph size: speculate iff
+``tokens_per_step / spec_ms`` beats ``1 / plain_ms`` (tokens per request per ms), where
+``tokens_per_step`` is 1 + the mean accepted drafts of recent verify steps (an EMA; kept while
+in fallback, re-measured by each probe) and the step times come from a cost table
+``{padded bs: (spec ms, fallback ms)}``, interpolated between measured sizes. The other mode
+must win by more than 2 % for ``--speculative-disable-min-dwell-steps`` (default 8)
+consecutive decisions before a switch; ``--speculative-disable-resume-below`` is refused with
+``auto`` (one warning, the feature off). In fallback, one speculative probe step runs after
+16 fallback steps, the gap doubling per probe up to 1024. Where the table lacks a mode's cost
+at a size, one step of that mode runs every 8 steps until it is known ("explore").
+
+The cost table is not measured at start-up on any release (replaying the speculative graphs
+outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
+speculating and measures both kinds of steps online, on the real path: CUDA events around
+the worker's own speculative step (run from the hook, whose re-entry answers None) and around
+each fallback step, recorded on TP rank 0 only and read at sync steps (every 16 decode steps,
+steps at least 2 old: no host sync inside a step). A v2 step's ``accept_lens`` is summed on
+the device and copied to pinned memory behind an event, read at a sync step too. At each
+sync step rank 0's snapshot (acceptance and table) is broadcast over the TP group's CPU group
+and adopted by every rank, so all inputs of every decision are the same on every rank. DP
+attention stays refused; DP replicas decide independently.
+
+Visible decisions: one INFO line at start-up, one per switch (rank 0) with the batch, both
+tok/s estimates, both step times and the tokens per step. With ``--enable-metrics`` (SGLang's
+prometheus multiprocess mode), rank 0 writes ``sglang:dynspec_speculating`` (1/0),
+``sglang:dynspec_switches_total``, ``sglang:dynspec_fallback_steps_total``,
+``sglang:dynspec_spec_tok_per_s`` and ``sglang:dynspec_plain_tok_per_s`` (label
+``model_name``), updated at sync steps; no prometheus_client, no multiprocess directory or
+metrics off: no series, no error.
+
 Safety rules:
 - every SGLang name this module touches is listed in ``V1_NEEDS`` / ``V2_NEEDS``; the adapter
   resolves them once per process from the live worker module (``transforms/runtime_probe.py``
   checks the same tables statically), and any missing name turns the feature off for the
   process (fail closed);
-- decisions use rank-identical integers only (batch sizes, step counters), never time.
+- decisions use rank-identical inputs only: batch sizes and step counters (a fixed T), plus,
+  for ``auto``, the snapshots every rank adopts at the same steps; never a clock read on the
+  deciding rank.
 
 The module imports neither torch nor SGLang at import time: it must stay importable by the
 patcher's static probe and by CPU tests.
