@@ -130,6 +130,13 @@ def test_probes_in_fallback_are_bounded_and_back_off():
     assert policy.n_probes == len(probes) <= 7 + 20_000 // 1024
 
 
+def test_while_speculating_a_plain_probe_every_1024_steps_refreshes_the_plain_cost():
+    policy = policy_with(2.5)
+    decisions = [policy.decide(8) for _ in range(5000)]
+    assert not policy.in_fallback and policy.n_switches == 0
+    assert [i for i, fallback in enumerate(decisions) if fallback] == [1023, 2047, 3071, 4095]
+
+
 def test_a_burst_switches_within_the_confirm_steps_each_way():
     confirm = AutoConfig().confirm_steps
     policy = policy_with(2.5)
@@ -226,7 +233,6 @@ def test_without_the_probe_re_measure_a_rise_would_go_unnoticed_for_long():
     """The EMA alone moves 20 % per probe: the re-measure is what makes the test above pass."""
     clock = StepCosts()
     controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
-    controller.measurements.config = AutoConfig(acceptance_alpha=0.2)
     original = controller.measurements._add_acceptance
     controller.measurements._add_acceptance = lambda tokens, probe: original(tokens, False)
     modes, _ = drive(controller, clock, [64] * 3000, lambda step: 2.0 if step < 1000 else 4.0)

@@ -16,8 +16,10 @@ in fallback, re-measured by each probe) and the step times come from a cost tabl
 must win by more than 2 % for ``--speculative-disable-min-dwell-steps`` (default 8)
 consecutive decisions before a switch; ``--speculative-disable-resume-below`` is refused with
 ``auto`` (one warning, the feature off). In fallback, one speculative probe step runs after
-16 fallback steps, the gap doubling per probe up to 1024. Where the table lacks a mode's cost
-at a size, one step of that mode runs every 8 steps until it is known ("explore").
+16 fallback steps, the gap doubling per probe up to 1024; speculating, one plain probe step
+runs every 1024 steps (the plain cost stays as fresh as the speculative one). Where the table
+lacks a mode's cost at a size, one step of that mode runs every 8 steps until it is known
+("explore").
 
 The cost table is not measured at start-up on any release (replaying the speculative graphs
 outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
@@ -210,7 +212,8 @@ class AutoConfig:
     server's ``--speculative-disable-min-dwell-steps``). ``margin``: how much better (relative
     tok/s) the other mode must be to win one. ``probe_gap`` / ``probe_gap_max``: in fallback,
     one speculative probe step after this many fallback steps, the gap doubling after each
-    probe (up to the cap) until speculation is back. ``explore_gap``: while the table has no
+    probe (up to the cap) until speculation is back; speculating, one plain probe step every
+    ``probe_gap_max`` steps. ``explore_gap``: while the table has no
     cost for the other mode at this batch size, one step of it every this many steps.
     ``sync_every``: rank 0's measurements become every rank's decision inputs at the decode
     steps that are multiples of this; ``lag_steps``: only steps at least this old are read
@@ -316,7 +319,8 @@ class GoodputPolicy:
     ``padded / plain_ms`` and switches mode after the other one won ``confirm_steps``
     consecutive decisions by more than ``margin``. Whatever is unknown keeps the current
     mode (speculation at start-up). It also says which steps run the other mode once:
-    probes (in fallback, to re-measure acceptance and the speculative cost) and explore
+    probes (in fallback after 16, 32, ... 1024 steps, re-measuring acceptance and the
+    speculative cost; speculating, every 1024 steps, re-measuring the plain cost) and explore
     steps (the table has no cost of the other mode at this size). Decisions depend only on
     the adopted snapshots, the batch sizes and step counts, so ranks fed the same agree.
     """
@@ -345,7 +349,7 @@ class GoodputPolicy:
         self.last_out_of_mode = False
         self._wins = 0
         self._since_probe = 0
-        self._probe_gap = self.config.probe_gap
+        self._probe_gap = self.config.probe_gap_max  # speculating first
         self._last_explore: dict[tuple[bool, int], int] = {}
 
     def adopt(self, snapshot: Snapshot) -> None:
@@ -378,10 +382,10 @@ class GoodputPolicy:
         if self._explores(batch_size, step):
             run_fallback = not self.in_fallback
             self.n_explores += 1
-        elif self.in_fallback:
+        else:
             self._since_probe += 1
             if self._since_probe >= self._probe_gap:
-                run_fallback = False
+                run_fallback = not self.in_fallback
                 self._since_probe = 0
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
                 self.n_probes += 1
@@ -416,7 +420,9 @@ class GoodputPolicy:
         self.in_fallback = not self.in_fallback
         self._wins = 0
         self._since_probe = 0
-        self._probe_gap = self.config.probe_gap
+        # In fallback: probes from the first gap on; speculating: a plain step now and then
+        # keeps the plain cost as fresh as the speculative one (context lengths grow).
+        self._probe_gap = self.config.probe_gap if self.in_fallback else self.config.probe_gap_max
         self.n_switches += 1
         if self._log is not None:
             self._log(
@@ -1388,8 +1394,8 @@ def _make_controller(
             "--speculative-disable-resume-below applies to a fixed threshold, not auto"
         )
     runner = worker.target_worker.model_runner
-    graph_sizes = [int(b) for b in getattr(getattr(runner, names["graph_attr"], None),
-                                           "capture_bs", None) or []]
+    verify_graphs = getattr(runner, names["graph_attr"], None)  # the sizes decode batches pad to
+    graph_sizes = [int(b) for b in getattr(verify_graphs, "capture_bs", None) or []]
     tp_group = getattr(runner, "tp_group", None)
     share = None
     if int(getattr(tp_group, "world_size", 1) or 1) > 1:
