@@ -10,6 +10,13 @@ The layouts (``sglang-releases.md`` §1, "Where the speculative fields and flags
 
 The checks always open ``ServerArgs._handle_speculative_decoding`` (0.5.3 – 0.5.12.post1) or
 ``ServerArgs.__post_init__``: they validate the raw input, before any resolution.
+
+The threshold takes an integer 1..65536 or the word ``auto`` (the field then holds the string
+``"auto"``): its flag parses with ``THRESHOLD_PARSER``, a function inserted after the leading
+imports of the module holding the fields (an explicit ``type=`` in S1, ``Arg(type_parser=)``
+in S2+). With ``auto``, ``--speculative-disable-resume-below`` is refused (it only means
+something for a fixed T); ``--speculative-disable-min-dwell-steps`` is the number of
+consecutive decisions the other mode must win before ``auto`` switches.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dynspec_patch.transforms.statements import (
     Block,
     Insertion,
     MarkedInsertionCodemod,
+    after_leading_imports,
     find_class,
     find_method,
     first_statement_index,
@@ -38,7 +46,11 @@ SPEC_NAMESPACE = "Spec"
 
 @dataclass(frozen=True)
 class ServerArg:
-    """One new ``ServerArgs`` field, its flag, and the condition that makes it invalid."""
+    """One new ``ServerArgs`` field, its flag, and the conditions that make it invalid.
+
+    ``checks_before``: (condition, requirement) pairs checked before ``invalid_if``;
+    ``type_parser``: the flag's ``type=`` (a function ``THRESHOLD_PARSER`` inserts), else int.
+    """
 
     field: str
     annotation: str
@@ -46,6 +58,8 @@ class ServerArg:
     help: str
     invalid_if: str
     requirement: str
+    checks_before: tuple[tuple[str, str], ...] = ()
+    type_parser: str | None = None
 
     @property
     def flag(self) -> str:
@@ -53,15 +67,34 @@ class ServerArg:
 
 
 THRESHOLD = "speculative_disable_batch_threshold"
+MAX_THRESHOLD = 65536
+THRESHOLD_PARSER_NAME = "_dynspec_threshold_arg"
+# The flag's parser: "auto", or an int in range (argparse prints the error as one line).
+THRESHOLD_PARSER = f'''def {THRESHOLD_PARSER_NAME}(value):
+    """--speculative-disable-batch-threshold: an integer 1..{MAX_THRESHOLD}, or auto."""
+    import argparse
+
+    word = value.strip().lower()
+    if word == "auto":
+        return word
+    if word.isdigit() and 1 <= int(word) <= {MAX_THRESHOLD}:
+        return int(word)
+    raise argparse.ArgumentTypeError(
+        f"expected an integer 1..{MAX_THRESHOLD} or auto, got {{value!r}}"
+    )'''
 SERVER_ARGS = (
     ServerArg(
         THRESHOLD,
         "Optional[int]",
         "None",
         "Run plain (non-speculative) decode steps while the decode batch is larger than this; "
-        "speculation resumes when it drops. Default: off.",
-        f"self.{THRESHOLD} is not None and self.{THRESHOLD} < 1",
-        "must be >= 1",
+        "speculation resumes when it drops. auto: choose each decode step by expected "
+        "throughput. Default: off.",
+        f'self.{THRESHOLD} is not None and self.{THRESHOLD} != "auto" and '
+        f"(not isinstance(self.{THRESHOLD}, int) or self.{THRESHOLD} < 1 "
+        f"or self.{THRESHOLD} > {MAX_THRESHOLD})",
+        f"must be an integer 1..{MAX_THRESHOLD} or auto",
+        type_parser=THRESHOLD_PARSER_NAME,
     ),
     ServerArg(
         "speculative_disable_resume_below",
@@ -72,6 +105,12 @@ SERVER_ARGS = (
         "self.speculative_disable_resume_below is not None and not "
         f"1 <= self.speculative_disable_resume_below <= (self.{THRESHOLD} or 0)",
         "must be between 1 and --speculative-disable-batch-threshold",
+        checks_before=(
+            (
+                f'self.speculative_disable_resume_below is not None and self.{THRESHOLD} == "auto"',
+                "applies to a fixed --speculative-disable-batch-threshold, not auto",
+            ),
+        ),
     ),
     ServerArg(
         "speculative_disable_min_dwell_steps",
@@ -123,17 +162,21 @@ class _FieldStyle:
         if not self.annotated:
             return f"{arg.field}: {arg.annotation} = {arg.default}"
         namespace = f"    {self.namespace},\n" if self.namespace else ""
+        help_text = f'"{arg.help}"'
+        if arg.type_parser is not None:
+            help_text = f"Arg(help={help_text}, type_parser={arg.type_parser})"
         return (
             f"{arg.field}: A[\n"
             f"    {arg.annotation},\n"
-            f'    "{arg.help}",\n'
+            f"    {help_text},\n"
             f"{namespace}"
             f"] = {arg.default}"
         )
 
 
 def field_insertions(module: cst.Module, class_name: str) -> tuple[list[Insertion], _FieldStyle]:
-    """The three fields, after the anchor field of ``class_name``, in the anchor's style."""
+    """The threshold's flag parser after the leading imports, and the three fields after the
+    anchor field of ``class_name``, in the anchor's style."""
     class_index, cls = find_class(module, class_name)
     if not _has_optional(module):
         raise AnchorMissing(f"{class_name}'s module does not import typing.Optional")
@@ -143,7 +186,10 @@ def field_insertions(module: cst.Module, class_name: str) -> tuple[list[Insertio
     if field_index is None:
         raise AnchorMissing(f"{class_name} has no field {FIELD_ANCHOR}")
     style = _FieldStyle.of(module, cls.body.body[field_index])  # type: ignore[arg-type]
-    insertions = [
+    if style.annotated and not _imports_name(module, "Arg"):
+        raise AnchorMissing(f"{class_name}'s module does not import Arg (the flag parser's)")
+    insertions = [Insertion((), after_leading_imports(module), THRESHOLD_PARSER)]
+    insertions += [
         Insertion((class_index,), field_index + 1, style.declaration(arg)) for arg in SERVER_ARGS
     ]
     return insertions, style
@@ -212,16 +258,21 @@ def _find_flag(block: Block, path: tuple[int, ...]) -> tuple[tuple[int, ...], in
 
 
 def _has_optional(module: cst.Module) -> bool:
+    return _imports_name(module, "Optional", from_module="typing")
+
+
+def _imports_name(module: cst.Module, name: str, from_module: str | None = None) -> bool:
+    """Whether a module-level ``from <from_module> import ..., name`` is there."""
     for statement in module.body:
         if not isinstance(statement, cst.SimpleStatementLine):
             continue
         for small in statement.body:
             if (
                 isinstance(small, cst.ImportFrom)
-                and isinstance(small.module, cst.Name)
-                and small.module.value == "typing"
+                and small.module is not None
+                and (from_module is None or module.code_for_node(small.module) == from_module)
                 and not isinstance(small.names, cst.ImportStar)
-                and any(alias.evaluated_name == "Optional" for alias in small.names)
+                and any(alias.evaluated_name == name for alias in small.names)
             ):
                 return True
     return False
@@ -268,15 +319,16 @@ class AddDisableThresholdArgCommand(MarkedInsertionCodemod):
         check_index, check = find_method(cls, ["_handle_speculative_decoding", "__post_init__"])
         check_block, check_at = (class_index, check_index), first_statement_index(check.body)
         for arg in SERVER_ARGS:
-            message = f"{arg.flag} {arg.requirement}, got {{self.{arg.field}}}"
-            insertions.append(
-                Insertion(
-                    check_block,
-                    check_at,
-                    f"if {arg.invalid_if}:\n"
-                    f'    raise ValueError(f"{message}")',
+            for condition, requirement in (*arg.checks_before, (arg.invalid_if, arg.requirement)):
+                message = f"{arg.flag} {requirement}, got {{self.{arg.field}}}"
+                insertions.append(
+                    Insertion(
+                        check_block,
+                        check_at,
+                        f"if {condition}:\n"
+                        f'    raise ValueError(f"{message}")',
+                    )
                 )
-            )
         return insertions
 
     @staticmethod
@@ -287,7 +339,7 @@ class AddDisableThresholdArgCommand(MarkedInsertionCodemod):
                 flag_index + 1,
                 f"{parser}.add_argument(\n"
                 f'    "{arg.flag}",\n'
-                "    type=int,\n"
+                f"    type={arg.type_parser or 'int'},\n"
                 f"    default=ServerArgs.{arg.field},\n"
                 f'    help="{arg.help}",\n'
                 ")",

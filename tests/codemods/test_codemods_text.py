@@ -147,6 +147,18 @@ SERVER_ARGS_AFTER = src("""
     import argparse
     import dataclasses
     from typing import List, Optional
+    def _dynspec_threshold_arg(value):  # dynspec-patch 0.1.0
+        \"\"\"--speculative-disable-batch-threshold: an integer 1..65536, or auto.\"\"\"
+        import argparse
+
+        word = value.strip().lower()
+        if word == "auto":
+            return word
+        if word.isdigit() and 1 <= int(word) <= 65536:
+            return int(word)
+        raise argparse.ArgumentTypeError(
+            f"expected an integer 1..65536 or auto, got {value!r}"
+        )
 
 
     @dataclasses.dataclass
@@ -162,8 +174,10 @@ SERVER_ARGS_AFTER = src("""
             self._handle_speculative_decoding()
 
         def _handle_speculative_decoding(self):
-            if self.speculative_disable_batch_threshold is not None and self.speculative_disable_batch_threshold < 1:  # dynspec-patch 0.1.0
-                raise ValueError(f"--speculative-disable-batch-threshold must be >= 1, got {self.speculative_disable_batch_threshold}")
+            if self.speculative_disable_batch_threshold is not None and self.speculative_disable_batch_threshold != "auto" and (not isinstance(self.speculative_disable_batch_threshold, int) or self.speculative_disable_batch_threshold < 1 or self.speculative_disable_batch_threshold > 65536):  # dynspec-patch 0.1.0
+                raise ValueError(f"--speculative-disable-batch-threshold must be an integer 1..65536 or auto, got {self.speculative_disable_batch_threshold}")
+            if self.speculative_disable_resume_below is not None and self.speculative_disable_batch_threshold == "auto":  # dynspec-patch 0.1.0
+                raise ValueError(f"--speculative-disable-resume-below applies to a fixed --speculative-disable-batch-threshold, not auto, got {self.speculative_disable_resume_below}")
             if self.speculative_disable_resume_below is not None and not 1 <= self.speculative_disable_resume_below <= (self.speculative_disable_batch_threshold or 0):  # dynspec-patch 0.1.0
                 raise ValueError(f"--speculative-disable-resume-below must be between 1 and --speculative-disable-batch-threshold, got {self.speculative_disable_resume_below}")
             if self.speculative_disable_min_dwell_steps < 1:  # dynspec-patch 0.1.0
@@ -181,9 +195,9 @@ SERVER_ARGS_AFTER = src("""
                 )
                 p.add_argument(
                     "--speculative-disable-batch-threshold",
-                    type=int,
+                    type=_dynspec_threshold_arg,
                     default=ServerArgs.speculative_disable_batch_threshold,
-                    help="Run plain (non-speculative) decode steps while the decode batch is larger than this; speculation resumes when it drops. Default: off.",
+                    help="Run plain (non-speculative) decode steps while the decode batch is larger than this; speculation resumes when it drops. auto: choose each decode step by expected throughput. Default: off.",
                 )  # dynspec-patch 0.1.0
                 p.add_argument(
                     "--speculative-disable-resume-below",
@@ -223,7 +237,7 @@ def test_server_args_threshold_check_really_rejects_zero():
     assert (
         server_args(speculative_disable_batch_threshold=4).speculative_disable_batch_threshold == 4
     )
-    with pytest.raises(ValueError, match=">= 1, got 0"):
+    with pytest.raises(ValueError, match=r"an integer 1\.\.65536 or auto, got 0"):
         server_args(speculative_disable_batch_threshold=0)
     with pytest.raises(ValueError, match="resume-below must be between 1 and"):
         server_args(speculative_disable_batch_threshold=4, speculative_disable_resume_below=5)

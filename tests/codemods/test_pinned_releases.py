@@ -51,6 +51,7 @@ def method(body: list[ast.stmt], names: tuple[str, ...]) -> ast.FunctionDef:
     return next(defined[name] for name in names if name in defined)
 
 
+THRESHOLD_PARSER = "_dynspec_threshold_arg"
 NEW_FIELDS = {
     "speculative_disable_batch_threshold": ("Optional[int]", None),
     "speculative_disable_resume_below": ("Optional[int]", None),
@@ -64,10 +65,15 @@ def assert_server_args_patched(package: Path) -> None:
     body = class_body(tree, "ServerArgs")
     cli = method(body, ("add_cli_args",))
     check = ast.unparse(method(body, ("_handle_speculative_decoding", "__post_init__")))
+    fields_module = tree
     if (package / SPEC_FIELDS).exists():  # S4: the fields sit in class Spec
-        fields_body = class_body(ast.parse((package / SPEC_FIELDS).read_text()), "Spec")
+        fields_module = ast.parse((package / SPEC_FIELDS).read_text())
+        fields_body = class_body(fields_module, "Spec")
     else:
         fields_body = body
+    # The threshold's flag parser (an int 1..65536 or auto) is a global beside the fields.
+    functions = {n.name for n in fields_module.body if isinstance(n, ast.FunctionDef)}
+    assert THRESHOLD_PARSER in functions
     fields = {n.target.id: n for n in fields_body if isinstance(n, ast.AnnAssign)}
     anchor = ast.unparse(fields["speculative_num_draft_tokens"].annotation)
     generated = "add_cli_args_from_dataclass(" in ast.unparse(cli)
@@ -78,7 +84,12 @@ def assert_server_args_patched(package: Path) -> None:
             assert isinstance(declared, ast.Subscript) and ast.unparse(declared.value) == "A"
             elements = declared.slice.elts  # type: ignore[attr-defined]
             assert ast.unparse(elements[0]) == annotation
-            assert isinstance(elements[1], ast.Constant) and elements[1].value
+            if name == "speculative_disable_batch_threshold":
+                meta = ast.unparse(elements[1])
+                assert meta.startswith("Arg(help='Run plain")
+                assert meta.endswith(f"type_parser={THRESHOLD_PARSER})")
+            else:
+                assert isinstance(elements[1], ast.Constant) and elements[1].value
             assert ("NS('spec')" in anchor) == ("NS('spec')" in ast.unparse(declared))
         else:
             assert ast.unparse(field.annotation) == annotation
@@ -98,7 +109,8 @@ def assert_server_args_patched(package: Path) -> None:
         ]
         assert len(calls) == 1
         keywords = {kw.arg: ast.unparse(kw.value) for kw in calls[0].keywords}
-        assert keywords["type"] == "int"
+        parser = THRESHOLD_PARSER if name == "speculative_disable_batch_threshold" else "int"
+        assert keywords["type"] == parser
         assert keywords["default"] == f"ServerArgs.{name}"
         assert "help" in keywords
     assert "speculative_disable_batch_threshold < 1" in check

@@ -7,12 +7,47 @@ own verify/sample does the bookkeeping, and the worker's own draft-extend keeps 
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
 so speculation resumes without special handling.
 
+``--speculative-disable-batch-threshold auto`` (``AutoController``) decides each pure decode
+step by expected goodput at its batch size padded to the CUDA-graph size: speculate iff
+``tokens_per_step / spec_ms`` beats ``1 / plain_ms`` (tokens per request per ms), where
+``tokens_per_step`` is 1 + the mean accepted drafts of recent verify steps (an EMA; kept while
+in fallback, re-measured by each probe) and the step times come from a cost table
+``{padded bs: (spec ms, fallback ms)}``, interpolated between measured sizes. The other mode
+must win by more than 2 % for ``--speculative-disable-min-dwell-steps`` (default 8)
+consecutive decisions before a switch; ``--speculative-disable-resume-below`` is refused with
+``auto`` (one warning, the feature off). In fallback, one speculative probe step runs after
+16 fallback steps, the gap doubling per probe up to 1024; speculating, one plain probe step
+runs every 1024 steps (the plain cost stays as fresh as the speculative one). Where the table
+lacks a mode's cost at a size, one step of that mode runs every 8 steps until it is known
+("explore").
+
+The cost table is not measured at start-up on any release (replaying the speculative graphs
+outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
+speculating and measures both kinds of steps online, on the real path: CUDA events around
+the worker's own speculative step (run from the hook, whose re-entry answers None) and around
+each fallback step, recorded on TP rank 0 only and read at sync steps (every 16 decode steps,
+steps at least 2 old: no host sync inside a step). A v2 step's ``accept_lens`` is summed on
+the device and copied to pinned memory behind an event, read at a sync step too. At each
+sync step rank 0's snapshot (acceptance and table) is broadcast over the TP group's CPU group
+and adopted by every rank, so all inputs of every decision are the same on every rank. DP
+attention stays refused; DP replicas decide independently.
+
+Visible decisions: one INFO line at start-up, one per switch (rank 0) with the batch, both
+tok/s estimates, both step times and the tokens per step. With ``--enable-metrics`` (SGLang's
+prometheus multiprocess mode), rank 0 writes ``sglang:dynspec_speculating`` (1/0),
+``sglang:dynspec_switches_total``, ``sglang:dynspec_fallback_steps_total``,
+``sglang:dynspec_spec_tok_per_s`` and ``sglang:dynspec_plain_tok_per_s`` (label
+``model_name``), updated at sync steps; no prometheus_client, no multiprocess directory or
+metrics off: no series, no error.
+
 Safety rules:
 - every SGLang name this module touches is listed in ``V1_NEEDS`` / ``V2_NEEDS``; the adapter
   resolves them once per process from the live worker module (``transforms/runtime_probe.py``
   checks the same tables statically), and any missing name turns the feature off for the
   process (fail closed);
-- decisions use rank-identical integers only (batch sizes, step counters), never time.
+- decisions use rank-identical inputs only: batch sizes and step counters (a fixed T), plus,
+  for ``auto``, the snapshots every rank adopts at the same steps; never a clock read on the
+  deciding rank.
 
 The module imports neither torch nor SGLang at import time: it must stay importable by the
 patcher's static probe and by CPU tests.
@@ -113,6 +148,11 @@ class DynSpecController:
         self.n_spec_steps = 0
         self.n_switches = 0
 
+    @property
+    def min_fallback_batch_size(self) -> int:
+        """The smallest decode batch a fallback step can have."""
+        return self.resume_below
+
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
         wants_fallback = (
@@ -140,6 +180,525 @@ class DynSpecController:
                 f"steps_in_prev_mode={previous_steps}, switches={self.n_switches}, "
                 f"fallback_steps={self.n_fallback_steps}, spec_steps={self.n_spec_steps})"
             )
+
+
+# --------------------------------------------------------------------------------------------
+# The ``auto`` controller: speculate or not by expected goodput at the current batch size
+# --------------------------------------------------------------------------------------------
+
+AUTO = "auto"
+MAX_THRESHOLD = 65536
+
+
+def parse_threshold(value: Any) -> int | str:
+    """The threshold field's value as the runtime uses it: an int 1..65536 or ``"auto"``."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if number is None or not 1 <= number <= MAX_THRESHOLD:
+        raise ValueError(f"threshold must be an integer 1..{MAX_THRESHOLD} or auto, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """The ``auto`` controller's constants; every one counts steps or is a ratio, none is time.
+
+    ``confirm_steps``: consecutive decisions the other mode must win before a switch (the
+    server's ``--speculative-disable-min-dwell-steps``). ``margin``: how much better (relative
+    tok/s) the other mode must be to win one. ``probe_gap`` / ``probe_gap_max``: in fallback,
+    one speculative probe step after this many fallback steps, the gap doubling after each
+    probe (up to the cap) until speculation is back; speculating, one plain probe step every
+    ``probe_gap_max`` steps. ``explore_gap``: while the table has no
+    cost for the other mode at this batch size, one step of it every this many steps.
+    ``sync_every``: rank 0's measurements become every rank's decision inputs at the decode
+    steps that are multiples of this; ``lag_steps``: only steps at least this old are read
+    then (their GPU work is done, so reading their events waits for nothing).
+    """
+
+    confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
+    margin: float = 0.02
+    probe_gap: int = 16
+    probe_gap_max: int = 1024
+    explore_gap: int = 8
+    sync_every: int = 16
+    lag_steps: int = 2
+    acceptance_alpha: float = 0.2
+    cost_window: int = 16
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Step times in ms by padded decode batch size: ``{bs: (speculative ms, fallback ms)}``.
+
+    A mode's time at a size between two measured sizes is interpolated linearly; outside the
+    measured range it is unknown (None): step time is not linear in the batch size, and a
+    guess that is too low would favour that mode.
+    """
+
+    entries: dict[int, tuple[float | None, float | None]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def step_ms(self, speculative: bool, batch_size: int) -> float | None:
+        column = 0 if speculative else 1
+        known = sorted((bs, ms[column]) for bs, ms in self.entries.items() if ms[column])
+        below = [(bs, ms) for bs, ms in known if bs <= batch_size]
+        above = [(bs, ms) for bs, ms in known if bs >= batch_size]
+        if not below or not above:
+            return None
+        (bs0, ms0), (bs1, ms1) = below[-1], above[0]
+        if bs0 == bs1:
+            return ms0
+        return ms0 + (ms1 - ms0) * (batch_size - bs0) / (bs1 - bs0)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every measured input of a decision, the same object on every TP rank.
+
+    ``tokens_per_step``: expected tokens per speculative step per request (1 + accepted
+    drafts), None before the first verify step was read.
+    """
+
+    tokens_per_step: float | None = None
+    table: CostTable = dataclasses.field(default_factory=CostTable)
+
+    def to_wire(self) -> list[float]:
+        """Floats for a broadcast: tokens, then (bs, spec ms, plain ms) rows; NaN for None."""
+        nan = float("nan")
+        wire = [nan if self.tokens_per_step is None else self.tokens_per_step]
+        for bs, (spec, plain) in sorted(self.table.entries.items()):
+            wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: list[float]) -> Snapshot:
+        def value(x: float) -> float | None:
+            return None if x != x else float(x)  # NaN: unknown
+
+        rows = wire[1:]
+        entries = {
+            int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
+        }
+        return cls(value(wire[0]), CostTable(entries))
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What one decision compared: tok/s of each mode at ``batch_size`` (padded)."""
+
+    batch_size: int
+    padded: int
+    tokens_per_step: float
+    spec_ms: float
+    plain_ms: float
+
+    @property
+    def spec_tok_s(self) -> float:
+        return 1000.0 * self.padded * self.tokens_per_step / self.spec_ms
+
+    @property
+    def plain_tok_s(self) -> float:
+        return 1000.0 * self.padded / self.plain_ms
+
+
+def padded_batch_size(batch_size: int, graph_sizes: list[int]) -> int:
+    """The CUDA-graph size a decode batch pads to (itself above the largest graph)."""
+    return next((g for g in graph_sizes if g >= batch_size), batch_size)
+
+
+class GoodputPolicy:
+    """The decision core of ``auto``: pure, torch-free, fed a ``Snapshot`` and batch sizes.
+
+    Per decode step it compares ``padded * tokens_per_step / spec_ms`` with
+    ``padded / plain_ms`` and switches mode after the other one won ``confirm_steps``
+    consecutive decisions by more than ``margin``. Whatever is unknown keeps the current
+    mode (speculation at start-up). It also says which steps run the other mode once:
+    probes (in fallback after 16, 32, ... 1024 steps, re-measuring acceptance and the
+    speculative cost; speculating, every 1024 steps, re-measuring the plain cost) and explore
+    steps (the table has no cost of the other mode at this size). Decisions depend only on
+    the adopted snapshots, the batch sizes and step counts, so ranks fed the same agree.
+    """
+
+    def __init__(
+        self,
+        config: AutoConfig | None = None,
+        graph_sizes: list[int] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config or AutoConfig()
+        if self.config.confirm_steps < 1:
+            raise ValueError(f"min_dwell_steps must be >= 1, got {self.config.confirm_steps}")
+        self.graph_sizes = sorted(set(graph_sizes or []))
+        self._log = log
+        self.snapshot = Snapshot()
+        self.in_fallback = False
+        self.steps = 0
+        self.n_fallback_steps = 0
+        self.n_spec_steps = 0
+        self.n_switches = 0
+        self.n_probes = 0
+        self.n_explores = 0
+        self.last: Estimates | None = None  # the latest decision's estimates, when known
+        # Whether the latest step runs out of mode: a probe or an explore step.
+        self.last_out_of_mode = False
+        self._wins = 0
+        self._since_probe = 0
+        self._probe_gap = self.config.probe_gap_max  # speculating first
+        self._last_explore: dict[tuple[bool, int], int] = {}
+
+    def adopt(self, snapshot: Snapshot) -> None:
+        """Take new measured inputs (call at the same step on every rank)."""
+        self.snapshot = snapshot
+
+    def estimates(self, batch_size: int) -> Estimates | None:
+        padded = padded_batch_size(batch_size, self.graph_sizes)
+        tokens = self.snapshot.tokens_per_step
+        spec_ms = self.snapshot.table.step_ms(True, padded)
+        plain_ms = self.snapshot.table.step_ms(False, padded)
+        if tokens is None or not spec_ms or not plain_ms:
+            return None
+        return Estimates(batch_size, padded, tokens, spec_ms, plain_ms)
+
+    def decide(self, batch_size: int) -> bool:
+        """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
+        step = self.steps
+        self.steps += 1
+        estimates = self.estimates(batch_size)
+        self.last = estimates
+        if estimates is not None and self._other_mode_wins(estimates):
+            self._wins += 1
+            if self._wins >= self.config.confirm_steps:
+                self._switch(estimates)
+        else:
+            self._wins = 0
+        run_fallback = self.in_fallback
+        self.last_out_of_mode = True
+        if self._explores(batch_size, step):
+            run_fallback = not self.in_fallback
+            self.n_explores += 1
+        else:
+            self._since_probe += 1
+            if self._since_probe >= self._probe_gap:
+                run_fallback = not self.in_fallback
+                self._since_probe = 0
+                self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
+                self.n_probes += 1
+        self.last_out_of_mode = run_fallback != self.in_fallback
+        if run_fallback:
+            self.n_fallback_steps += 1
+        else:
+            self.n_spec_steps += 1
+        return run_fallback
+
+    def _other_mode_wins(self, est: Estimates) -> bool:
+        ahead = 1.0 + self.config.margin
+        if self.in_fallback:
+            return est.spec_tok_s > est.plain_tok_s * ahead
+        return est.plain_tok_s > est.spec_tok_s * ahead
+
+    def _explores(self, batch_size: int, step: int) -> bool:
+        """Whether this step runs the other mode once, to measure its cost at this size."""
+        other_is_spec = self.in_fallback
+        padded = padded_batch_size(batch_size, self.graph_sizes)
+        if self.snapshot.table.step_ms(other_is_spec, padded) is not None:
+            return False
+        key = (other_is_spec, padded)
+        last = self._last_explore.get(key)
+        if last is not None and step - last < self.config.explore_gap:
+            return False
+        self._last_explore[key] = step
+        return True
+
+    def _switch(self, est: Estimates) -> None:
+        before, after = ("fallback", "spec") if self.in_fallback else ("spec", "fallback")
+        self.in_fallback = not self.in_fallback
+        self._wins = 0
+        self._since_probe = 0
+        # In fallback: probes from the first gap on; speculating: a plain step now and then
+        # keeps the plain cost as fresh as the speculative one (context lengths grow).
+        self._probe_gap = self.config.probe_gap if self.in_fallback else self.config.probe_gap_max
+        self.n_switches += 1
+        if self._log is not None:
+            self._log(
+                f"[dynspec] auto: {before} -> {after} at decode bs={est.batch_size} "
+                f"(padded {est.padded}): spec {est.spec_tok_s:.0f} tok/s "
+                f"({est.tokens_per_step:.2f} tokens/step, {est.spec_ms:.2f} ms/step) vs "
+                f"plain {est.plain_tok_s:.0f} tok/s ({est.plain_ms:.2f} ms/step); "
+                f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
+                f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
+            )
+
+
+class HostClock:
+    """Step timing by the host clock (CPU devices; CPU tests inject clocks of their own)."""
+
+    def start(self) -> Any:
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> Any:
+        return started, time.perf_counter()
+
+    def elapsed_ms(self, handle: Any) -> float:
+        return (handle[1] - handle[0]) * 1000.0
+
+
+class CudaEventClock:
+    """Step timing by CUDA events: recorded in the step, read (old, so done) at a sync step."""
+
+    def start(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started: Any) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return started, event
+
+    def elapsed_ms(self, handle: Any) -> float:
+        started, ended = handle
+        ended.synchronize()
+        return float(started.elapsed_time(ended))
+
+
+@dataclass
+class _Measured:
+    step: int
+    speculative: bool
+    padded: int
+    timing: Any
+    # Tokens per request of a speculative step, read when resolved (None: a fallback step).
+    tokens_per_request: Callable[[], float] | None
+    # A speculative step run while in fallback (a probe): it re-measures acceptance outright.
+    probe: bool = False
+
+
+class Measurements:
+    """Rank 0's step times and acceptance, turned into a ``Snapshot`` at sync steps.
+
+    The first time of each (mode, size) is dropped (it pays one-off compiles and allocator
+    growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is an
+    EMA over the speculative steps of a speculative stretch, kept while in fallback, where
+    each probe re-measures it (replaces it: a probe is rare and averages a large batch).
+    """
+
+    def __init__(self, config: AutoConfig, clock: Any) -> None:
+        self.config = config
+        self.clock = clock
+        self.tokens_per_step: float | None = None
+        self._pending: list[_Measured] = []
+        self._times: dict[tuple[bool, int], collections.deque[float]] = {}
+        self._seen: collections.Counter[tuple[bool, int]] = collections.Counter()
+
+    def add(self, measured: _Measured) -> None:
+        self._pending.append(measured)
+
+    def resolve(self, up_to_step: int) -> None:
+        """Read every pending step at or before ``up_to_step`` (their GPU work is done)."""
+        keep: list[_Measured] = []
+        for measured in self._pending:
+            if measured.step > up_to_step:
+                keep.append(measured)
+                continue
+            key = (measured.speculative, measured.padded)
+            ms = self.clock.elapsed_ms(measured.timing)
+            self._seen[key] += 1
+            if self._seen[key] > 1 and ms > 0:
+                window = self._times.setdefault(
+                    key, collections.deque(maxlen=self.config.cost_window)
+                )
+                window.append(ms)
+            if measured.tokens_per_request is not None:
+                self._add_acceptance(measured.tokens_per_request(), measured.probe)
+        self._pending = keep
+
+    def _add_acceptance(self, tokens: float, probe: bool) -> None:
+        if tokens <= 0:
+            return
+        alpha = self.config.acceptance_alpha
+        previous = self.tokens_per_step
+        if previous is not None and not probe:
+            tokens = alpha * tokens + (1 - alpha) * previous
+        self.tokens_per_step = tokens
+
+    def snapshot(self) -> Snapshot:
+        entries: dict[int, tuple[float | None, float | None]] = {}
+        for (speculative, padded), window in self._times.items():
+            spec, plain = entries.get(padded, (None, None))
+            median = float(sorted(window)[len(window) // 2])
+            entries[padded] = (median, plain) if speculative else (spec, median)
+        return Snapshot(self.tokens_per_step, CostTable(entries))
+
+
+def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
+    """``share`` for TP > 1: every rank gets the first rank's snapshot (two CPU broadcasts:
+    its length, then its floats; the other ranks' ``mine`` is ignored)."""
+    import torch
+    import torch.distributed as dist
+
+    source = dist.get_global_rank(cpu_group, 0)
+
+    def share(mine: Snapshot | None) -> Snapshot:
+        wire = mine.to_wire() if mine is not None else []
+        length = torch.tensor([len(wire)], dtype=torch.int64)
+        dist.broadcast(length, src=source, group=cpu_group)
+        values = torch.tensor(wire, dtype=torch.float64)
+        if values.numel() != int(length[0]):
+            values = torch.zeros(int(length[0]), dtype=torch.float64)
+        dist.broadcast(values, src=source, group=cpu_group)
+        return Snapshot.from_wire(values.tolist())
+
+    return share
+
+
+class AutoController:
+    """``auto`` in a worker: the policy, rank 0's measurements, the sync, the metrics.
+
+    Only the source rank (TP rank 0) measures. At every decode step that is a multiple of
+    ``sync_every`` it reads its steps that are at least ``lag_steps`` old and every rank adopts
+    its snapshot (``share``: a broadcast over the TP group's CPU group; the identity without
+    TP), so all decisions in between use identical inputs.
+    """
+
+    # A fallback step can happen at any batch size: DECODE graphs for every graph size.
+    min_fallback_batch_size = 1
+
+    def __init__(
+        self,
+        policy: GoodputPolicy,
+        *,
+        source: bool,
+        share: Callable[[Snapshot | None], Snapshot] | None = None,
+        clock: Any = None,
+        metrics: AutoMetrics | None = None,
+    ) -> None:
+        self.policy = policy
+        self.source = source
+        self._share = share
+        self.measurements = Measurements(policy.config, clock or HostClock())
+        self.metrics = metrics
+        self.n_syncs = 0
+
+    @property
+    def in_fallback(self) -> bool:
+        return self.policy.in_fallback
+
+    def decide(self, batch_size: int) -> bool:
+        """True means run this decode step as fallback (see ``GoodputPolicy.decide``)."""
+        step = self.policy.steps
+        if step and step % self.policy.config.sync_every == 0:
+            self._sync(step)
+        return self.policy.decide(batch_size)
+
+    def _sync(self, step: int) -> None:
+        mine = None
+        if self.source:
+            self.measurements.resolve(step - self.policy.config.lag_steps)
+            mine = self.measurements.snapshot()
+        snapshot = self._share(mine) if self._share is not None else mine
+        if snapshot is not None:
+            self.policy.adopt(snapshot)
+        self.n_syncs += 1
+        if self.metrics is not None:
+            self.metrics.update(self.policy)
+
+    def start_step(self) -> Any:
+        """Mark the start of the step just decided (source rank only; no sync)."""
+        return self.measurements.clock.start() if self.source else None
+
+    def finish_step(
+        self,
+        started: Any,
+        speculative: bool,
+        batch_size: int,
+        tokens_per_request: Callable[[], float] | None = None,
+    ) -> None:
+        """Mark its end; ``tokens_per_request`` reads a speculative step's acceptance later."""
+        if not self.source:
+            return
+        clock = self.measurements.clock
+        self.measurements.add(
+            _Measured(
+                step=self.policy.steps - 1,
+                speculative=speculative,
+                padded=padded_batch_size(batch_size, self.policy.graph_sizes),
+                timing=clock.stop(started),
+                tokens_per_request=tokens_per_request if speculative else None,
+                probe=speculative and self.policy.in_fallback,
+            )
+        )
+
+
+class AutoMetrics:
+    """``auto``'s Prometheus series, written in SGLang's multiprocess mode (rank 0 only).
+
+    ``sglang:dynspec_speculating`` (1 speculating, 0 fallback), ``sglang:dynspec_switches``
+    and ``sglang:dynspec_fallback_steps`` (counters, ``_total``), and
+    ``sglang:dynspec_spec_tok_per_s`` / ``sglang:dynspec_plain_tok_per_s`` (the latest
+    decision's estimates). Updated at sync steps.
+    """
+
+    def __init__(self, prometheus: Any, labels: dict[str, str]) -> None:
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return prometheus.Gauge(
+                name, doc, labelnames=names, multiprocess_mode="mostrecent", registry=None
+            ).labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return prometheus.Counter(name, doc, labelnames=names, registry=None).labels(**labels)
+
+        self.speculating = gauge(
+            "sglang:dynspec_speculating", "1 while auto speculates, 0 while it runs plain steps."
+        )
+        self.switches = counter("sglang:dynspec_switches", "Mode switches of auto.")
+        self.fallback_steps = counter(
+            "sglang:dynspec_fallback_steps", "Decode steps run as plain (fallback) steps."
+        )
+        self.spec_tok_s = gauge(
+            "sglang:dynspec_spec_tok_per_s", "Estimated speculative tok/s at the current batch."
+        )
+        self.plain_tok_s = gauge(
+            "sglang:dynspec_plain_tok_per_s", "Estimated plain tok/s at the current batch."
+        )
+        self._counted = (0, 0)
+
+    @classmethod
+    def create(cls, server_args: Any) -> AutoMetrics | None:
+        """The series when SGLang exports metrics (``--enable-metrics``), else None."""
+        if not getattr(server_args, "enable_metrics", False):
+            return None
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return None  # SGLang's /metrics reads only the multiprocess files
+        try:
+            import prometheus_client
+        except ImportError:
+            return None
+        name = getattr(server_args, "served_model_name", None) or getattr(
+            server_args, "model_path", ""
+        )
+        return cls(prometheus_client, {"model_name": str(name or "")})
+
+    def update(self, policy: GoodputPolicy) -> None:
+        self.speculating.set(0 if policy.in_fallback else 1)
+        switches, fallback_steps = self._counted
+        self.switches.inc(policy.n_switches - switches)
+        self.fallback_steps.inc(policy.n_fallback_steps - fallback_steps)
+        self._counted = (policy.n_switches, policy.n_fallback_steps)
+        if policy.last is not None:
+            self.spec_tok_s.set(policy.last.spec_tok_s)
+            self.plain_tok_s.set(policy.last.plain_tok_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,7 +1157,7 @@ class Adapter:
     variant: str
     names: dict[str, str | None]
     module_globals: dict[str, Any]
-    controller: DynSpecController
+    controller: DynSpecController | AutoController
     # The 0.4.x entry returns a tuple of this length; None: a GenerationBatchResult.
     tuple_arity: int | None = None
     # Whether grammar batches can take the fallback (the release can mask the one-node tree).
@@ -615,6 +1174,8 @@ class Adapter:
     # v2: the width-1 draft-extend graphs (None: fallback steps run the N-token one), and why.
     draft_extend_width1: Width1DraftExtend | None = None
     draft_extend_width1_note: str = ""
+    # auto: set while the worker's own speculative step runs inside the hook (re-entry).
+    inside_spec_step: bool = False
 
     def cls(self, key: str) -> Any:
         """The worker-module (or, for a ``verify_module`` need, verify-module) global."""
@@ -786,7 +1347,7 @@ def _warn_if_never_triggers(worker: Any, threshold: int) -> None:
         )
 
 
-def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
+def _build_adapter(worker: Any, variant: str, threshold: int | str) -> Adapter:
     module = sys.modules.get(type(worker).__module__)
     if module is None:
         raise Unsupported(f"module {type(worker).__module__} is not loaded")
@@ -808,21 +1369,66 @@ def _build_adapter(worker: Any, variant: str, threshold: int) -> Adapter:
         module_globals=module_globals,
         verify_globals=verify_module_globals(module_globals),
         verify_keys=frozenset(n.key for n in needs if n.scope == "verify_module"),
-        controller=DynSpecController(
-            threshold,
-            resume_below=getattr(worker.server_args, "speculative_disable_resume_below", None),
-            min_dwell_steps=getattr(worker.server_args, "speculative_disable_min_dwell_steps", None)
-            or DEFAULT_MIN_DWELL_STEPS,
-            log=_rank0_logger(worker),
-        ),
+        controller=_make_controller(worker, names, threshold),
     )
     if variant == "v1":
         adapter.grammar = names["verify_vocab_mask"] is not None and names["bitmask_fn"] is not None
         _resolve_v1_contract(worker, adapter)
     else:
         _resolve_v2_contract(worker, adapter)
-    _warn_if_never_triggers(worker, threshold)
+    if threshold != AUTO:
+        _warn_if_never_triggers(worker, int(threshold))
     return adapter
+
+
+def _make_controller(
+    worker: Any, names: dict[str, str | None], threshold: int | str
+) -> DynSpecController | AutoController:
+    args = worker.server_args
+    min_dwell = (
+        getattr(args, "speculative_disable_min_dwell_steps", None) or DEFAULT_MIN_DWELL_STEPS
+    )
+    resume_below = getattr(args, "speculative_disable_resume_below", None)
+    if threshold != AUTO:
+        return DynSpecController(
+            int(threshold),
+            resume_below=resume_below,
+            min_dwell_steps=min_dwell,
+            log=_rank0_logger(worker),
+        )
+    if resume_below is not None:
+        raise ValueError(
+            "--speculative-disable-resume-below applies to a fixed threshold, not auto"
+        )
+    runner = worker.target_worker.model_runner
+    verify_graphs = getattr(runner, names["graph_attr"], None)  # the sizes decode batches pad to
+    graph_sizes = [int(b) for b in getattr(verify_graphs, "capture_bs", None) or []]
+    tp_group = getattr(runner, "tp_group", None)
+    share = None
+    if int(getattr(tp_group, "world_size", 1) or 1) > 1:
+        cpu_group = getattr(tp_group, "cpu_group", None)
+        if cpu_group is None:
+            raise Unsupported("auto needs the TP group's CPU group to share rank 0's costs")
+        share = broadcast_from_first_rank(cpu_group)
+    source = int(getattr(worker, "tp_rank", 0) or 0) == 0
+    policy = GoodputPolicy(
+        AutoConfig(confirm_steps=int(min_dwell)), graph_sizes, log=_rank0_logger(worker)
+    )
+    controller = AutoController(
+        policy,
+        source=source,
+        share=share,
+        metrics=AutoMetrics.create(args) if source else None,
+    )
+    config = policy.config
+    _rank0_logger(worker)(
+        f"[dynspec] auto: each decode step speculates or runs a plain step by expected tok/s "
+        f"at its padded batch size (graph sizes {graph_sizes or 'none'}); no start-up cost "
+        f"measurement: speculation first, step costs measured online on TP rank 0 and shared "
+        f"every {config.sync_every} steps; switch after {config.confirm_steps} consecutive "
+        f"wins by > {config.margin:.0%}; metrics {'on' if controller.metrics else 'off'}"
+    )
+    return controller
 
 
 def _check_verify_input_fields(verify_input_cls: Any, names: dict[str, str | None]) -> None:
@@ -900,7 +1506,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         _adapters[type(worker)] = _OFF
         return None
     try:
-        adapter = _build_adapter(worker, variant, int(threshold))
+        adapter = _build_adapter(worker, variant, parse_threshold(threshold))
     except (Unsupported, ValueError) as exc:  # ValueError: bad threshold / hysteresis args
         _warn_rank0(worker, str(exc))
         _adapters[type(worker)] = _OFF
@@ -1102,7 +1708,7 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
         graphs, why = capture_decode_graphs(
             target_worker.model_runner,
             adapter.name("graph_attr"),
-            adapter.controller.resume_below,
+            adapter.controller.min_fallback_batch_size,
             exec_config=exec_config,
         )
     except Exception as exc:  # capture failed: stay correct, run the target eagerly
@@ -1348,7 +1954,7 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
                     draft,
                     adapter.cls("draft_extend_graph_cls"),
                     adapter.cls("draft_backend_factory"),
-                    adapter.controller.resume_below,
+                    adapter.controller.min_fallback_batch_size,
                     spec_config=spec_config,
                     graph_bag=getattr(exec_config, "graph", None),
                 )
@@ -1854,6 +2460,85 @@ def _decide(adapter: Adapter, batch: Any) -> bool:
     return adapter.controller.decide(bs)
 
 
+def _auto_start(adapter: Adapter) -> Any:
+    controller = adapter.controller
+    return controller.start_step() if isinstance(controller, AutoController) else None
+
+
+def _auto_finish(
+    adapter: Adapter,
+    started: Any,
+    batch_size: int,
+    tokens_per_request: Callable[[], float] | None = None,
+) -> None:
+    """End the timing of an ``auto`` step: speculative when it has an acceptance reader."""
+    controller = adapter.controller
+    if isinstance(controller, AutoController):
+        speculative = tokens_per_request is not None
+        controller.finish_step(started, speculative, batch_size, tokens_per_request)
+
+
+def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
+    """None (the worker speculates as usual), or, under ``auto``, the worker's own speculative
+    step run from here, timed, its acceptance read later: the re-entered hook returns None."""
+    if not isinstance(adapter.controller, AutoController):
+        return None
+    bs = len(batch.seq_lens)
+    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
+    started = adapter.controller.start_step()
+    adapter.inside_spec_step = True
+    try:
+        result = entry(batch, **kwargs)
+    finally:
+        adapter.inside_spec_step = False
+    source = adapter.controller.source
+    reader = _tokens_per_request_reader(adapter, result, bs) if source else _no_acceptance
+    _auto_finish(adapter, started, bs, reader)
+    return result
+
+
+def _no_acceptance() -> float:
+    """A speculative step whose acceptance cannot be read (0: the measurements skip it)."""
+    return 0.0
+
+
+def _tokens_per_request_reader(adapter: Adapter, result: Any, bs: int) -> Callable[[], float]:
+    """Reads a speculative step's tokens per request (1 + accepted drafts) once it is done.
+
+    v1 counts accepted drafts on the host (the tuple's 4th item, or the result's count); v2's
+    ``accept_lens`` (bonus included) is a device tensor: its sum is copied to pinned host
+    memory behind an event, read at a later sync step, never waited for inside a step.
+    """
+    if bs <= 0 or result is None:
+        return _no_acceptance
+    if adapter.variant == "v1":
+        if isinstance(result, tuple):  # 0.4.x: (logits, tokens, bid, accepted drafts, ...)
+            count = result[3]
+        else:
+            count = getattr(result, adapter.name("gbr_count"))
+        tokens = 1.0 + float(count) / bs
+        return lambda: tokens
+    accept_lens = getattr(result, "accept_lens", None)
+    if accept_lens is None:
+        return _no_acceptance
+    if getattr(accept_lens, "is_cuda", False):
+        import torch
+
+        total = accept_lens.sum()
+        host = torch.empty((), dtype=total.dtype, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> float:
+            done.synchronize()
+            return float(host) / bs
+
+        return read
+    tokens = float(accept_lens.sum()) / bs
+    return lambda: tokens
+
+
 # --------------------------------------------------------------------------------------------
 # v1: EAGLEWorker (0.4.4 - 0.5.12.post1)
 # --------------------------------------------------------------------------------------------
@@ -1867,15 +2552,19 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     controller chose to speculate.
     """
     adapter = _adapter_for(worker, "v1")
-    if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
+    if adapter is None or adapter.inside_spec_step:
+        return None
+    if not _is_pure_decode(batch) or batch.spec_info is None:
         return None
     if _has_grammar(batch) and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
-        return None
+        return _auto_spec_step(worker, adapter, batch, {})
+    started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
     result = _v1_step(worker, adapter, batch)
     adapter.profiler.finish()
+    _auto_finish(adapter, started, len(batch.seq_lens))
     return result
 
 
@@ -1982,7 +2671,9 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     refused, so it is always None here).
     """
     adapter = _adapter_for(worker, "v2")
-    if adapter is None or not _is_pure_decode(batch) or batch.spec_info is None:
+    if adapter is None or adapter.inside_spec_step:
+        return None
+    if not _is_pure_decode(batch) or batch.spec_info is None:
         return None
     if _has_grammar(batch) and not adapter.grammar:
         return None
@@ -1990,12 +2681,14 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
         return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
     if not _decide(adapter, batch):
-        return None
+        return _auto_spec_step(worker, adapter, batch, kwargs)
+    started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
     result = _v2_step(
         worker, adapter, batch, kwargs.get("on_publish"), kwargs.get("grammar_barrier")
     )
     adapter.profiler.finish()
+    _auto_finish(adapter, started, len(batch.seq_lens))
     return result
 
 

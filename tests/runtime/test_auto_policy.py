@@ -1,0 +1,254 @@
+"""The ``auto`` decision core (GoodputPolicy) on synthetic cost tables: no torch, no time."""
+
+import random
+
+import pytest
+
+from dynspec_patch.transforms.runtime.dynspec_fallback import (
+    AutoConfig,
+    AutoController,
+    CostTable,
+    GoodputPolicy,
+    Snapshot,
+    padded_batch_size,
+    parse_threshold,
+)
+
+GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256]
+
+
+def spec_ms(bs: int) -> float:
+    """A speculative step: dearer than a plain one, and growing faster with the batch."""
+    return 10.0 + 0.6 * bs
+
+
+def plain_ms(bs: int) -> float:
+    return 7.0 + 0.15 * bs
+
+
+def table(spec=spec_ms, plain=plain_ms, sizes=GRAPH_SIZES) -> CostTable:
+    return CostTable({bs: (spec(bs), plain(bs)) for bs in sizes})
+
+
+def policy_with(tokens_per_step: float, cost_table: CostTable | None = None, **config):
+    policy = GoodputPolicy(AutoConfig(**config), GRAPH_SIZES)
+    policy.adopt(Snapshot(tokens_per_step, cost_table or table()))
+    return policy
+
+
+def settles_in_fallback(tokens_per_step: float, bs: int) -> bool:
+    policy = policy_with(tokens_per_step)
+    for _ in range(50):
+        policy.decide(bs)
+    return policy.in_fallback
+
+
+def crossover(tokens_per_step: float) -> int | None:
+    """The smallest graph size at which a steady load leaves speculation."""
+    return next((bs for bs in GRAPH_SIZES if settles_in_fallback(tokens_per_step, bs)), None)
+
+
+def test_the_crossover_batch_moves_with_acceptance():
+    # tokens/step E: speculation keeps winning while 1.02 * E * plain_ms > spec_ms (the 2 %
+    # margin): E = 2.0 up to bs 14.6, E = 2.5 up to 36.1, E = 3.0 up to 81 (graph sizes next).
+    assert crossover(2.0) == 16
+    assert crossover(2.5) == 40
+    assert crossover(3.0) == 96
+    assert crossover(4.5) is None  # speculation wins at every size
+    assert crossover(1.0) == 1  # nothing accepted: plain steps at every size
+
+
+def test_it_speculates_while_any_input_is_unknown():
+    policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES)
+    policy.adopt(Snapshot(None, table()))  # no verify step read yet
+    assert not any(policy.decide(128) for _ in range(100))
+    policy.adopt(Snapshot(1.0, CostTable({1: (10.0, 5.0)})))  # no cost known at 128
+    decisions = [policy.decide(128) for _ in range(100)]
+    assert policy.n_switches == 0
+    # ... but it measures the unknown plain cost there: one plain step per explore gap.
+    assert sum(decisions) == policy.n_explores == len(range(0, 100, AutoConfig().explore_gap))
+
+
+def test_costs_between_graph_sizes_are_interpolated_and_unknown_outside():
+    costs = CostTable({8: (20.0, None), 16: (30.0, 10.0), 32: (None, 14.0)})
+    assert costs.step_ms(True, 12) == pytest.approx(25.0)
+    assert costs.step_ms(False, 24) == pytest.approx(12.0)
+    assert costs.step_ms(True, 16) == 30.0
+    assert costs.step_ms(True, 32) is None  # above the largest measured speculative size
+    assert costs.step_ms(False, 8) is None  # below the smallest measured plain size
+    assert padded_batch_size(13, GRAPH_SIZES) == 16
+    assert padded_batch_size(300, GRAPH_SIZES) == 300  # beyond the graphs: eager, unpadded
+
+
+def test_a_load_near_the_crossover_never_flaps():
+    rng = random.Random(3)
+    # Equal goodput at bs 32 (E = 2.5): the noise (+-1 %) stays inside the 2 % margin.
+    policy = policy_with(2.5)
+    for step in range(20_000):
+        if step % 16 == 0:
+            noisy = CostTable(
+                {
+                    bs: (spec * rng.uniform(0.99, 1.01), plain * rng.uniform(0.99, 1.01))
+                    for bs, (spec, plain) in table().entries.items()
+                }
+            )
+            policy.adopt(Snapshot(2.5 * rng.uniform(0.995, 1.005), noisy))
+        policy.decide(rng.choice([30, 31, 32]))
+    assert policy.n_switches == 0
+
+
+def test_a_steady_load_past_the_crossover_switches_once():
+    rng = random.Random(5)
+    policy = policy_with(2.5)
+    for step in range(20_000):
+        if step % 16 == 0:  # +-1.5 % noise around a 6 % lead of plain steps at bs 48
+            noisy = CostTable(
+                {
+                    bs: (spec * rng.uniform(0.985, 1.015), plain * rng.uniform(0.985, 1.015))
+                    for bs, (spec, plain) in table().entries.items()
+                }
+            )
+            policy.adopt(Snapshot(2.5, noisy))
+        policy.decide(rng.choice([47, 48]))
+    assert policy.n_switches == 1
+    assert policy.in_fallback
+
+
+def test_probes_in_fallback_are_bounded_and_back_off():
+    confirm = AutoConfig().confirm_steps
+    policy = policy_with(1.2)
+    decisions = [policy.decide(64) for _ in range(20_000)]
+    assert policy.in_fallback
+    spec_steps = [i for i, fallback in enumerate(decisions) if not fallback]
+    # confirm_steps - 1 speculative steps, the switch, then one probe after 16, 32, ... 1024
+    # fallback steps, and every 1024 from then on.
+    assert spec_steps[: confirm - 1] == list(range(confirm - 1))
+    probes = spec_steps[confirm - 1 :]
+    gaps = [b - a for a, b in zip([confirm - 2, *probes], probes, strict=False)]
+    assert gaps[:7] == [16, 32, 64, 128, 256, 512, 1024]
+    assert set(gaps[7:]) == {1024}
+    assert policy.n_probes == len(probes) <= 7 + 20_000 // 1024
+
+
+def test_while_speculating_a_plain_probe_every_1024_steps_refreshes_the_plain_cost():
+    policy = policy_with(2.5)
+    decisions = [policy.decide(8) for _ in range(5000)]
+    assert not policy.in_fallback and policy.n_switches == 0
+    assert [i for i, fallback in enumerate(decisions) if fallback] == [1023, 2047, 3071, 4095]
+
+
+def test_a_burst_switches_within_the_confirm_steps_each_way():
+    confirm = AutoConfig().confirm_steps
+    policy = policy_with(2.5)
+    modes = []
+    for bs in [1] * 300 + [64] * 300 + [1] * 300:
+        policy.decide(bs)
+        modes.append(policy.in_fallback)
+    assert modes.index(True) == 300 + confirm - 1
+    assert all(modes[300 + confirm - 1 : 600])
+    assert modes.index(False, 600) == 600 + confirm - 1
+    assert not any(modes[600 + confirm - 1 :])
+    assert policy.n_switches == 2
+
+
+def test_a_switch_logs_the_estimates_that_decided_it():
+    lines: list[str] = []
+    policy = GoodputPolicy(AutoConfig(confirm_steps=2), GRAPH_SIZES, log=lines.append)
+    policy.adopt(Snapshot(2.0, table()))
+    for bs in (60, 64, 64):
+        policy.decide(bs)
+    assert lines == [
+        "[dynspec] auto: spec -> fallback at decode bs=64 (padded 64): spec 2645 tok/s "
+        "(2.00 tokens/step, 48.40 ms/step) vs plain 3855 tok/s (16.60 ms/step); switches=1, "
+        "fallback_steps=0, spec_steps=1, probes=0"
+    ]
+
+
+class StepCosts:
+    """A clock that times a step as the cost model says, whatever the host clock reads."""
+
+    def __init__(self) -> None:
+        self.next_ms = 0.0
+
+    def start(self):
+        return None
+
+    def stop(self, started):
+        return self.next_ms
+
+    def elapsed_ms(self, handle):
+        return handle
+
+
+def constant(value: float):
+    return lambda: value
+
+
+def drive(controller: AutoController, clock: StepCosts, loads, tokens_per_step):
+    """Run ``loads`` through the controller, timing each step by the cost model; the modes."""
+    modes, decisions = [], []
+    for step, bs in enumerate(loads):
+        fallback = controller.decide(bs)
+        padded = padded_batch_size(bs, GRAPH_SIZES)
+        clock.next_ms = plain_ms(padded) if fallback else spec_ms(padded)
+        started = controller.start_step()
+        reader = None if fallback else constant(tokens_per_step(step))
+        controller.finish_step(started, not fallback, bs, reader)
+        modes.append(controller.in_fallback)
+        decisions.append(fallback)
+    return modes, decisions
+
+
+def test_from_a_cold_start_a_burst_switches_within_a_bounded_number_of_steps():
+    confirm = AutoConfig().confirm_steps
+    clock = StepCosts()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
+    modes, decisions = drive(controller, clock, [1] * 400 + [64] * 400 + [1] * 400, lambda s: 2.5)
+    assert not any(modes[:400])
+    assert sum(decisions[:400]) == 2  # two explore steps measured the plain cost at bs 1
+    # bs 64 is new: two explore steps measure its plain cost (the first time is dropped), the
+    # next sync shares it, then confirm_steps decisions.
+    into_fallback = modes.index(True, 400)
+    assert into_fallback - 400 <= 2 * 16 + confirm
+    assert all(modes[into_fallback:800])
+    assert modes.index(False, 800) - 800 == confirm - 1  # costs at bs 1 are known by now
+    assert not any(modes[800 + confirm :])
+    assert controller.policy.n_switches == 2
+
+
+def test_probes_notice_that_acceptance_rose_while_in_fallback():
+    clock = StepCosts()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
+    # bs 64: plain wins at 2 tokens/step, speculation at 4 (4 * 16.6 > 48.4 * 1.02).
+    modes, _ = drive(controller, clock, [64] * 3000, lambda step: 2.0 if step < 1000 else 4.0)
+    assert all(modes[100:1000])
+    back = modes.index(False, 1000)
+    # The first probe after the rise re-measures it; probe gaps are capped at 1024 steps.
+    assert back - 1000 <= 1024 + 16 + AutoConfig().confirm_steps
+    assert not any(modes[back:])
+    assert controller.policy.n_switches == 2
+
+
+def test_without_the_probe_re_measure_a_rise_would_go_unnoticed_for_long():
+    """The EMA alone moves 20 % per probe: the re-measure is what makes the test above pass."""
+    clock = StepCosts()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
+    original = controller.measurements._add_acceptance
+    controller.measurements._add_acceptance = lambda tokens, probe: original(tokens, False)
+    modes, _ = drive(controller, clock, [64] * 3000, lambda step: 2.0 if step < 1000 else 4.0)
+    assert all(modes[100:])
+
+
+@pytest.mark.parametrize(
+    ("raw", "parsed"), [("auto", "auto"), ("AUTO", "auto"), (12, 12), ("12", 12), (65536, 65536)]
+)
+def test_the_threshold_parses_to_an_int_or_auto(raw, parsed):
+    assert parse_threshold(raw) == parsed
+
+
+@pytest.mark.parametrize("raw", ["fast", "", 0, 65537, True, 2.5, None])
+def test_a_bad_threshold_is_refused_with_one_line(raw):
+    with pytest.raises(ValueError) as bad:
+        parse_threshold(raw)
+    assert str(bad.value).startswith("threshold must be an integer 1..65536 or auto, got ")
+    assert "\n" not in str(bad.value)

@@ -1,0 +1,182 @@
+"""``auto`` in the stand-in workers: spec -> fallback -> spec as acceptance falls and rises,
+each step's output what the unpatched worker (spec) or the fixed-threshold fallback gives."""
+
+import logging
+import types
+
+import pytest
+
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.releases import V1_RELEASES, V2_RELEASES
+
+pytestmark = pytest.mark.torch
+
+BS = 4
+CASES = [
+    ("v1", V1_RELEASES[0]),  # 0.4.x: tuple results
+    ("v1", V1_RELEASES[-1]),
+    ("v2", V2_RELEASES[0]),
+    ("v2", V2_RELEASES[-1]),
+]
+
+
+def world(variant: str, version: str, **kwargs):
+    from tests.runtime.standins import World, read_shape
+
+    return World(read_shape(version, variant), batch_size=BS, seq_len=10, **kwargs)
+
+
+def hook(variant: str):
+    return dyn.maybe_fallback_v1 if variant == "v1" else dyn.maybe_fallback_v2
+
+
+class SpecPath:
+    """The worker's own speculative step, as the patched method runs it: the hook first
+    (re-entered from the hook, it must answer None), then a result with this acceptance."""
+
+    def __init__(self, w, variant: str, adapter) -> None:
+        self.w, self.variant, self.adapter = w, variant, adapter
+        self.tokens_per_request = 3.0
+        self.calls: list[tuple[object, object]] = []
+        self.ran = False
+
+    def __call__(self, worker, batch, **kwargs):
+        import torch
+
+        assert hook(self.variant)(worker, batch, **kwargs) is None
+        accepted = int((self.tokens_per_request - 1) * BS)
+        if self.variant == "v2":
+            lens = torch.full((BS,), int(self.tokens_per_request), dtype=torch.int32)
+            result = types.SimpleNamespace(accept_lens=lens)
+        elif self.adapter.tuple_arity is not None:
+            result = ("logits", "tokens", 77, accepted, True)[: self.adapter.tuple_arity]
+        else:
+            result = types.SimpleNamespace(**{self.adapter.name("gbr_count"): accepted})
+        self.calls.append((batch, result))
+        self.ran = True
+        return result
+
+
+class ModeCosts:
+    """Step times by mode: a speculative step 20 ms, a fallback step 10 ms (the host clock
+    is never read). Speculation then wins while it yields > 2.04 tokens per request."""
+
+    def __init__(self, spec: SpecPath) -> None:
+        self.spec = spec
+
+    def start(self):
+        self.spec.ran = False
+
+    def stop(self, started):
+        return 20.0 if self.spec.ran else 10.0
+
+    def elapsed_ms(self, handle):
+        return handle
+
+
+def tokens_of(result):
+    """What the scheduler reads of a fallback step: its tokens and accepted counts."""
+    if isinstance(result, tuple):
+        return result[1].tolist(), result[3]
+    count = getattr(result, "accept_lens", None)
+    return result.next_token_ids.tolist(), None if count is None else count.tolist()
+
+
+@pytest.mark.parametrize(("variant", "version"), CASES)
+def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, version):
+    w = world(variant, version, speculative_disable_batch_threshold="auto")
+    adapter = dyn._adapter_for(w.worker, variant)
+    assert isinstance(adapter.controller, dyn.AutoController)
+    spec = SpecPath(w, variant, adapter)
+    entry = adapter.names.get("entry") or "forward_batch_generation"
+    setattr(type(w.worker), entry, lambda self, batch, **kwargs: spec(self, batch, **kwargs))
+    adapter.controller.measurements.clock = ModeCosts(spec)
+    # The same release with a fixed T = 1: its fallback step is the reference output.
+    fixed = world(variant, version, speculative_disable_batch_threshold=1)
+
+    modes, spec_steps, fallback_steps = [], 0, 0
+    for step in range(2200):
+        spec.tokens_per_request = 1.0 if 100 <= step < 400 else 3.0
+        w.batch = w._make_batch(BS, 10, 100)
+        calls_before = len(spec.calls)
+        forwards_before = w.recorder.names().count("target_forward")
+        result = hook(variant)(w.worker, w.batch)
+        if len(spec.calls) > calls_before:  # a speculative step: the worker's own result
+            spec_steps += 1
+            assert len(spec.calls) == calls_before + 1
+            assert spec.calls[-1][0] is w.batch and result is spec.calls[-1][1]
+            assert w.recorder.names().count("target_forward") == forwards_before
+        else:  # a fallback step: one DECODE forward, the fixed-T fallback's output
+            fallback_steps += 1
+            assert w.recorder.names().count("target_forward") == forwards_before + 1
+            fixed.batch = fixed._make_batch(BS, 10, 100)
+            reference = hook(variant)(fixed.worker, fixed.batch)
+            assert tokens_of(result) == tokens_of(reference)
+        modes.append(adapter.controller.in_fallback)
+
+    assert not any(modes[:100])
+    into_fallback = modes.index(True)
+    assert 100 < into_fallback <= 100 + 2 * 16 + 8  # the next syncs see the drop, then 8 wins
+    back = modes.index(False, into_fallback)
+    assert 400 < back <= 400 + 1024 + 16 + 8  # a probe re-measures the rise
+    assert not any(modes[back:])
+    assert adapter.controller.policy.n_switches == 2
+    policy = adapter.controller.policy
+    assert (policy.n_spec_steps, policy.n_fallback_steps) == (spec_steps, fallback_steps)
+
+
+@pytest.mark.parametrize(("variant", "version"), CASES[1:2] + CASES[3:])
+def test_a_fixed_threshold_never_enters_the_spec_step_itself(variant, version):
+    w = world(variant, version, speculative_disable_batch_threshold=64)
+    adapter = dyn._adapter_for(w.worker, variant)
+    entry = adapter.names.get("entry") or "forward_batch_generation"
+    calls = []
+    setattr(type(w.worker), entry, lambda self, batch, **kw: calls.append(batch))
+    assert hook(variant)(w.worker, w.batch) is None  # None: the worker speculates itself
+    assert calls == []
+
+
+def test_auto_refuses_resume_below_with_one_warning(caplog):
+    w = world(
+        "v2",
+        V2_RELEASES[-1],
+        speculative_disable_batch_threshold="auto",
+        speculative_disable_resume_below=3,
+    )
+    with caplog.at_level(logging.WARNING):
+        assert dyn.maybe_fallback_v2(w.worker, w.batch) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "[dynspec] speculation-disable fallback is OFF: "
+        "--speculative-disable-resume-below applies to a fixed threshold, not auto"
+    ]
+
+
+def test_auto_with_tp_but_no_cpu_group_fails_closed(caplog):
+    w = world("v1", V1_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    w.worker.target_worker.model_runner.tp_group = types.SimpleNamespace(world_size=2)
+    with caplog.at_level(logging.WARNING):
+        assert dyn.maybe_fallback_v1(w.worker, w.batch) is None
+    assert dyn._adapter_for(w.worker, "v1") is None
+    assert any("auto needs the TP group's CPU group" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("word", ["fast", "0", "65537"])
+def test_a_bad_threshold_word_turns_the_feature_off_with_one_warning(caplog, word):
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold=word)
+    with caplog.at_level(logging.WARNING):
+        assert dyn.maybe_fallback_v2(w.worker, w.batch) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "[dynspec] speculation-disable fallback is OFF: "
+        f"threshold must be an integer 1..65536 or auto, got {word!r}"
+    ]
+
+
+def test_auto_logs_how_it_decides_once_at_start_up(caplog):
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    with caplog.at_level(logging.INFO):
+        dyn._adapter_for(w.worker, "v2")
+    lines = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
+    assert len(lines) == 1
+    assert "no start-up cost measurement" in lines[0] and "metrics off" in lines[0]
