@@ -190,12 +190,11 @@ TARGETS: dict[str, Target] = {
         why="the known_hosts policies and the connection's default, on paramiko's objects"),
     "ssh_connect": Target(
         "dynspec_patch/patcher/ssh.py",
-        ("tests/remote/test_remote_apply.py::"
-         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
+        ("tests/remote/test_mutation_ssh_open.py",
          "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
-        functions=_methods("Connection", "open"), heavy=True, sample="05",
-        why="Connection.open (known_hosts loading, the policy it picks, changed keys) against "
-            "the loopback sshd's host-key tests: a fifth of its mutants"),
+        functions=_methods("Connection", "open"), heavy=True,
+        why="Connection.open (known_hosts, the host-key policy, keys, agent, certificate, "
+            "ProxyCommand, timeouts) against the loopback sshd"),
     "ansible_action": Target(
         "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
         ("tests/remote/test_mutation_ansible.py",), heavy=True,
