@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
-# HostKeys.load skips a line it cannot parse (SSHException) but raises this for bad base64
-from paramiko.hostkeys import InvalidHostKey
+from paramiko.hostkeys import InvalidHostKey  # HostKeys.load's error for a line not in base64
 
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
 from dynspec_patch.patcher.remote_agent import (

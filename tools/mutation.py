@@ -101,7 +101,9 @@ TARGETS: dict[str, Target] = {
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
-        ("tests/codemods/test_mutation_engine.py",),
+        ("tests/codemods/test_mutation_engine.py",
+         "tests/codemods/test_local_safety.py::"
+         "test_an_unknown_file_in_a_tree_without_manifest_makes_the_tree_unknown"),
         equivalent=(
             *((name, '"UTF-8"', "codec names are case-insensitive")
               for name in ("x__encode", "x__text", "x_release_version")),
@@ -163,13 +165,21 @@ TARGETS: dict[str, Target] = {
             "rules, in-process: over SSH the agent runs on the host's own python3, where a "
             "mutant (it imports mutmut) cannot run"),
     "router": Target(
-        "dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",), heavy=True,
+        "dynspec_patch/patcher/router.py", ("tests/remote/test_mutation_router.py",),
+        heavy=True,
         functions=("x__same_url", *_methods("RouterClient", "remove", "add"), "x_drain",
                    *_methods("Rotation", "resolve", "_require_another", "before_restart",
                              "add_back")),
-        sample="0", why="the rotation's decisions (never the last healthy worker, drain, "
-                        "add back); its tests are whole fleets (sshd, sglang-router, load: "
-                        "minutes each here): a tenth of those mutants"),
+        equivalent=(
+            ("xǁRouterClientǁremove", 'safe="XXXX"', "quote() never escapes a letter: X is "
+             "as safe as nothing"),
+            ("xǁRouterClientǁadd", 'self._call(None, "/workers", body)', "urllib's Request "
+             "sends POST when it has data and no method, and add always sends a body"),
+        ),
+        why="the rotation's decisions (never the last healthy worker, drain, add back), one at "
+            "a time against the real sglang-router, a stub router and a fake clock; the fleet "
+            "tests (test_fleet_router*: whole fleets under load, minutes each here) are left "
+            "out of the per-mutant runs"),
     "container": Target(
         "dynspec_patch/patcher/container.py",
         ("tests/remote/test_container_pure.py", "tests/remote/test_mutation_container.py"),

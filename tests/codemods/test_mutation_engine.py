@@ -124,6 +124,18 @@ def test_bad_option_values_are_refused_in_one_line(kwargs, message):
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"threshold": 0}, "--threshold must be between 1 and 65536, got 0"),
+    ({"num_steps": 65}, "--num-steps must be between 1 and 64, got 65"),
+    ({"worker": "v3"}, "--worker must be one of auto, v1, v2, both, got 'v3'"),
+    ({"route": "fast"}, "--route must be one of patch, native, got 'fast'"),
+])
+def test_a_plan_checks_its_options_before_reading_the_tree(kwargs, message):
+    with pytest.raises(UsageError) as refused:
+        engine.plan_apply({}, **kwargs)
+    assert str(refused.value) == message
+
+
 def test_nothing_is_written_while_a_file_is_refused():
     patched = FileChange("a.py", b"x", b"y", "unpatched", "patched", "patched", "why")
     assert engine._as_not_written(patched) == FileChange(

@@ -37,11 +37,18 @@ def play(sshd, workdir: Path) -> dict[str, dict]:
         "bad_port": {**reach, "ansible_port": 70000},
         "other_user": {**reach, "ansible_user": "nobody-here"},
         "other_key": {**reach, "ansible_ssh_private_key_file": str(workdir / "no-such-key")},
+        # a host missing from known_hosts: refused, unless host key checking is off
+        "unknown_key": {**reach, "ansible_ssh_common_args":
+                        f"-o UserKnownHostsFile={workdir / 'known_hosts.strict'}"},
+        "no_checking": {**reach, "ansible_host_key_checking": False,
+                        "ansible_ssh_common_args":
+                        f"-o UserKnownHostsFile={workdir / 'known_hosts.accepting'}"},
     }
     inventory = workdir / "inventory.json"
     inventory.write_text(json.dumps({"all": {"hosts": hosts}}))
     (workdir / "play.yml").write_text(PLAY)
-    run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"), "--forks", "9")
+    run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"),
+                           "--forks", str(len(hosts)))
     found = {name: json.loads(result) for name, result in
              re.findall(r"^fatal: \[(\w+)\]: FAILED! => (\{.*\})$", run.stdout, re.M)}
     assert set(found) == set(hosts), run.stdout + run.stderr
@@ -78,3 +85,10 @@ def test_the_plugin_refuses_become_it_cannot_honour_and_connects_as_the_inventor
     for name in ("other_user", "other_key"):
         assert not outcomes[name]["msg"].startswith("no running SGLang server"), outcomes[name]
     assert "nobody-here" in outcomes["other_user"]["msg"]
+
+    # host_key_checking false is accept-new: the absent host is recorded, then logged into
+    assert outcomes["unknown_key"]["msg"].startswith(
+        f"host key of [127.0.0.1]:{sshd.port} is not in known_hosts"), outcomes["unknown_key"]
+    assert not (tmp_path / "known_hosts.strict").exists()
+    assert outcomes["no_checking"]["msg"].startswith("no running SGLang server"), outcomes
+    assert sshd.host_pub.split()[1] in (tmp_path / "known_hosts.accepting").read_text()

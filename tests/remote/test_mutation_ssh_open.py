@@ -62,8 +62,8 @@ def keys(sshd, tmp_path_factory) -> Iterator[dict[str, Path]]:
     started = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True,
                              text=True, check=True).stdout
     agent_pid = int(re.search(r"SSH_AGENT_PID=(\d+)", started)[1])
-    subprocess.run(["ssh-add", "-q", str(agent_key)], env={**os.environ, "SSH_AUTH_SOCK": str(sock)},
-                   check=True, capture_output=True)
+    subprocess.run(["ssh-add", "-q", str(agent_key)], check=True, capture_output=True,
+                   env={**os.environ, "SSH_AUTH_SOCK": str(sock)})
     yield {"stranger": stranger, "agent": sock, "cert_key": cert_key,
            "certificate": base / "certificate.pub"}
     os.kill(agent_pid, signal.SIGTERM)
@@ -152,13 +152,13 @@ def test_identities_only_leaves_the_agent_out(sshd, keys):
     agent_and_stranger = {"identity_files": (str(keys["stranger"]),),
                           "identity_agent": str(keys["agent"])}
     assert login_name(target(sshd, **agent_and_stranger)) == OP_USER
-    with pytest.raises(ssh.ConnectError, match="authentication to .* failed"):
+    with pytest.raises(ssh.ConnectError, match=r"authentication to .* failed"):
         login_name(target(sshd, **agent_and_stranger, identities_only=True))
 
 
 def test_a_certificate_file_signs_the_identity(sshd, keys):
     certified = target(sshd, identity_files=(str(keys["cert_key"]),))
-    with pytest.raises(ssh.ConnectError, match="authentication to .* failed"):
+    with pytest.raises(ssh.ConnectError, match=r"authentication to .* failed"):
         login_name(certified)  # the bare key is not authorized
     assert login_name(ssh.SshTarget(**{**certified.__dict__, "certificate_files": (
         str(keys["certificate"]),)})) == OP_USER
@@ -173,7 +173,7 @@ def test_the_proxy_command_carries_the_login(sshd, tmp_path):
     proxied = target(sshd, hostname="127.0.0.2", known_hosts=(str(known),),
                      proxy_command=f"{sys.executable} {relay} {sshd.port}")
     assert login_name(proxied) == OP_USER
-    with pytest.raises(ssh.ConnectError, match="cannot reach 127.0.0.2"):
+    with pytest.raises(ssh.ConnectError, match=r"cannot reach 127\.0\.0\.2"):
         login_name(ssh.SshTarget(**{**proxied.__dict__, "proxy_command": None}))
 
 
