@@ -110,6 +110,13 @@ TARGETS: dict[str, Target] = {
             *(("x__route", piece, "the kernels' text is searched for a name and a one-line "
                "def: a separator between the two files cannot make or break a match")
               for piece in ('"XXXX".join', 'or "XXXX" for path')),
+            ("x__apply_one", "(isinstance(state, Patched)) or True", "a codemod's revert of a "
+             "file that is not patched gives back its own bytes (None for a missing file)"),
+            ("x__any_patched", 'or b"XXXX")', "the default stands in only for a present file "
+             "that is empty, and neither b'' nor b'XXXX' holds the tool's name"),
+            *(("x_plan_status", piece, "_route compares the requested route with \"native\" "
+               "only: None, \"\" and any other spelling of \"patch\" all take the patch route")
+              for piece in ('requested = ""', '"XXpatchXX" if', '"PATCH" if')),
         ),
         why=CLI_LEVEL),
     "local": Target(
