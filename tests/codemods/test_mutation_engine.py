@@ -667,3 +667,20 @@ def test_the_spec_fields_file_is_a_core_file_where_the_release_has_it():
 
 def test_a_worker_its_codemod_refuses_is_not_patchable():
     assert engine.plan_status({**small_tree(), V1: b"x = (\n"}).patchable_workers == ()
+
+
+def test_tree_state_lists_an_unknown_recorded_file_once_and_checks_the_others():
+    records = (FileRecord(ARGS, sha(b"a0"), sha(b"a1")), FileRecord(V1, sha(b"v0"), sha(b"v1")))
+    plan = _status(**{RUNTIME: "patched", ARGS: "unknown", V1: "patched"})
+    state = engine.tree_state(plan, Manifest("0.5.4", records),
+                              {RUNTIME: b"rt", ARGS: b"edited", V1: b"edited"})
+    assert state == engine.TreeState("mixed", (
+        f"{ARGS}: {ARGS} is unknown", f"{V1}: matches neither the recorded original nor patch"))
+
+
+def test_tree_state_counts_the_spec_fields_file_among_the_core_files():
+    spec = engine.AddDisableThresholdSpecFieldsCommand.PATH
+    patched = _status(**{RUNTIME: "patched", ARGS: "patched", spec: "patched", V2: "patched"})
+    assert engine.tree_state(patched, None, {RUNTIME: b""}) == engine.TreeState("patched")
+    half = _status(**{RUNTIME: "patched", ARGS: "patched", spec: "unpatched", V2: "patched"})
+    assert engine.tree_state(half, None, {RUNTIME: b""}).state == "mixed"
