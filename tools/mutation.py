@@ -220,8 +220,13 @@ TARGETS: dict[str, Target] = {
                "and ansible passes tmp=None (the only value it does not warn about)")
               for call in ("super().run(None, task_vars)", "super().run(tmp, None)",
                            "super().run(tmp, )")),
-            ("xǁActionModuleǁrun", '(pc.become_method or "XXsudoXX")',
-             "ansible's become_method is never empty (it defaults to sudo)"),
+            *(("xǁActionModuleǁrun", piece, "ansible's become_method is never empty (it "
+               "defaults to sudo)")
+              for piece in ('(pc.become_method or "XXsudoXX")', '(pc.become_method or "SUDO")')),
+            *(("xǁActionModuleǁrun", piece, "the value is or-ed with \"\" right after: a None "
+               "default and a \"\" default give the same empty argument list")
+              for piece in ('"ssh_common_args", None) or', '"ssh_common_args", ) or',
+                            '"ssh_extra_args", None) or', '"ssh_extra_args", ) or')),
             ("x__option", "(value is None) and False",
              "with the ssh connection plugin an unset option and the play context's value "
              "come from the same variables: the default is None exactly when the option is"),
