@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
+from paramiko.hostkeys import InvalidHostKey  # HostKeys.load's error for a line not in base64
 
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
 from dynspec_patch.patcher.remote_agent import (
@@ -390,10 +391,10 @@ class Connection:
             if os.path.exists(path):
                 try:
                     client.load_host_keys(path)
-                except (OSError, paramiko.SSHException) as exc:
+                except (OSError, InvalidHostKey) as exc:
                     raise UsageError(f"cannot read known_hosts {path}: {exc}") from exc
         for path in t.global_known_hosts:
-            with contextlib.suppress(OSError, paramiko.SSHException):
+            with contextlib.suppress(OSError, InvalidHostKey):
                 client.load_system_host_keys(path)
         policy: paramiko.MissingHostKeyPolicy = (
             _AcceptNewPolicy(t.known_hosts[0], t.hash_known_hosts)

@@ -101,13 +101,22 @@ TARGETS: dict[str, Target] = {
             "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
-        ("tests/codemods/test_mutation_engine.py",),
+        ("tests/codemods/test_mutation_engine.py",
+         "tests/codemods/test_local_safety.py::"
+         "test_an_unknown_file_in_a_tree_without_manifest_makes_the_tree_unknown"),
         equivalent=(
             *((name, '"UTF-8"', "codec names are case-insensitive")
               for name in ("x__encode", "x__text", "x_release_version")),
             *(("x__route", piece, "the kernels' text is searched for a name and a one-line "
                "def: a separator between the two files cannot make or break a match")
               for piece in ('"XXXX".join', 'or "XXXX" for path')),
+            ("x__apply_one", "(isinstance(state, Patched)) or True", "a codemod's revert of a "
+             "file that is not patched gives back its own bytes (None for a missing file)"),
+            ("x__any_patched", 'or b"XXXX")', "the default stands in only for a present file "
+             "that is empty, and neither b'' nor b'XXXX' holds the tool's name"),
+            *(("x_plan_status", piece, "_route compares the requested route with \"native\" "
+               "only: None, \"\" and any other spelling of \"patch\" all take the patch route")
+              for piece in ('requested = ""', '"XXpatchXX" if', '"PATCH" if')),
         ),
         why=CLI_LEVEL),
     "local": Target(
@@ -163,13 +172,21 @@ TARGETS: dict[str, Target] = {
             "rules, in-process: over SSH the agent runs on the host's own python3, where a "
             "mutant (it imports mutmut) cannot run"),
     "router": Target(
-        "dynspec_patch/patcher/router.py", ("tests/remote/test_fleet_router.py",), heavy=True,
+        "dynspec_patch/patcher/router.py", ("tests/remote/test_mutation_router.py",),
+        heavy=True,
         functions=("x__same_url", *_methods("RouterClient", "remove", "add"), "x_drain",
                    *_methods("Rotation", "resolve", "_require_another", "before_restart",
                              "add_back")),
-        sample="0", why="the rotation's decisions (never the last healthy worker, drain, "
-                        "add back); its tests are whole fleets (sshd, sglang-router, load: "
-                        "minutes each here): a tenth of those mutants"),
+        equivalent=(
+            ("xǁRouterClientǁremove", 'safe="XXXX"', "quote() never escapes a letter: X is "
+             "as safe as nothing"),
+            ("xǁRouterClientǁadd", 'self._call(None, "/workers", body)', "urllib's Request "
+             "sends POST when it has data and no method, and add always sends a body"),
+        ),
+        why="the rotation's decisions (never the last healthy worker, drain, add back), one at "
+            "a time against the real sglang-router, a stub router and a fake clock; the fleet "
+            "tests (test_fleet_router*: whole fleets under load, minutes each here) are left "
+            "out of the per-mutant runs"),
     "container": Target(
         "dynspec_patch/patcher/container.py",
         ("tests/remote/test_container_pure.py", "tests/remote/test_mutation_container.py"),
@@ -190,12 +207,11 @@ TARGETS: dict[str, Target] = {
         why="the known_hosts policies and the connection's default, on paramiko's objects"),
     "ssh_connect": Target(
         "dynspec_patch/patcher/ssh.py",
-        ("tests/remote/test_remote_apply.py::"
-         "test_unknown_host_key_is_refused_and_accept_new_only_adds_absent_hosts",
+        ("tests/remote/test_mutation_ssh_open.py",
          "tests/remote/test_remote_cli.py::test_cli_connection_options_and_host_key_policy"),
-        functions=_methods("Connection", "open"), heavy=True, sample="05",
-        why="Connection.open (known_hosts loading, the policy it picks, changed keys) against "
-            "the loopback sshd's host-key tests: a fifth of its mutants"),
+        functions=_methods("Connection", "open"), heavy=True,
+        why="Connection.open (known_hosts, the host-key policy, keys, agent, certificate, "
+            "ProxyCommand, timeouts) against the loopback sshd"),
     "ansible_action": Target(
         "ansible_collections/dynspec/patch/plugins/action/sglang_dynspec.py",
         ("tests/remote/test_mutation_ansible.py",), heavy=True,
@@ -204,8 +220,13 @@ TARGETS: dict[str, Target] = {
                "and ansible passes tmp=None (the only value it does not warn about)")
               for call in ("super().run(None, task_vars)", "super().run(tmp, None)",
                            "super().run(tmp, )")),
-            ("xǁActionModuleǁrun", '(pc.become_method or "XXsudoXX")',
-             "ansible's become_method is never empty (it defaults to sudo)"),
+            *(("xǁActionModuleǁrun", piece, "ansible's become_method is never empty (it "
+               "defaults to sudo)")
+              for piece in ('(pc.become_method or "XXsudoXX")', '(pc.become_method or "SUDO")')),
+            *(("xǁActionModuleǁrun", piece, "the value is or-ed with \"\" right after: a None "
+               "default and a \"\" default give the same empty argument list")
+              for piece in ('"ssh_common_args", None) or', '"ssh_common_args", ) or',
+                            '"ssh_extra_args", None) or', '"ssh_extra_args", ) or')),
             ("x__option", "(value is None) and False",
              "with the ssh connection plugin an unset option and the play context's value "
              "come from the same variables: the default is None exactly when the option is"),

@@ -124,6 +124,18 @@ def test_bad_option_values_are_refused_in_one_line(kwargs, message):
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"threshold": 0}, "--threshold must be between 1 and 65536, got 0"),
+    ({"num_steps": 65}, "--num-steps must be between 1 and 64, got 65"),
+    ({"worker": "v3"}, "--worker must be one of auto, v1, v2, both, got 'v3'"),
+    ({"route": "fast"}, "--route must be one of patch, native, got 'fast'"),
+])
+def test_a_plan_checks_its_options_before_reading_the_tree(kwargs, message):
+    with pytest.raises(UsageError) as refused:
+        engine.plan_apply({}, **kwargs)
+    assert str(refused.value) == message
+
+
 def test_nothing_is_written_while_a_file_is_refused():
     patched = FileChange("a.py", b"x", b"y", "unpatched", "patched", "patched", "why")
     assert engine._as_not_written(patched) == FileChange(
@@ -556,3 +568,119 @@ def test_every_reverted_file_carries_its_path_bytes_and_reason():
     native = engine.plan_revert({ARGS: b"", V2: NATIVE_V2,
                                  "_version.py": b'__version__ = "0.5.14"\n'})
     assert (native.operation, native.sglang_version) == ("revert", "0.5.14")
+
+
+# ------------------------------------------------------------- routes and the manifest's hashes
+
+ADAPTIVE_REFUSAL = (
+    "the server runs SGLang's own --speculative-adaptive, which would keep control (the patch "
+    "would stay off): relaunch it without --speculative-adaptive (after the native route, "
+    "dynspec-patch revert does that), or use --route native; nothing was written")
+NATIVE_TREE = {ARGS: b"", V2: NATIVE_V2, "_version.py": b'__version__ = "0.5.14"\n'}
+# server_args.py unknown to its codemod but naming the tool: the patch route was there
+PATCHED_NATIVE_TREE = {**NATIVE_TREE, ARGS: b"# dynspec-patch\n"}
+
+
+@pytest.mark.parametrize(("selected", "live", "server_args", "argv", "refused"), [
+    (["v2"], None, {"speculative_adaptive": True}, (), True),
+    (["v2"], "v2", {}, (engine.ADAPTIVE_FLAG,), True),
+    (["v1", "v2"], None, {}, (engine.ADAPTIVE_FLAG,), True),
+    (["v1"], None, {"speculative_adaptive": True}, (), False),
+    (["v1", "v2"], "v1", {"speculative_adaptive": True}, (), False),
+    (["v2"], None, {"speculative_adaptive": False}, (), False),
+])
+def test_sglang_s_adaptive_conflicts_with_the_patch_only_on_a_v2_server(
+        selected, live, server_args, argv, refused):
+    conflict = engine._adaptive_conflict(selected, live, server_args, argv)
+    assert conflict == (ADAPTIVE_REFUSAL if refused else None)
+
+
+def test_the_patch_plan_carries_the_adaptive_conflict_of_the_server_it_would_patch():
+    adaptive = {"speculative_adaptive": True}
+    assert engine.plan_apply(NATIVE_TREE, threshold=8, server_args=adaptive).refusal == (
+        ADAPTIVE_REFUSAL)
+    assert engine.plan_apply(NATIVE_TREE, threshold=8, worker="v2", live_worker="v1",
+                             server_args=adaptive).refusal is None
+
+
+def test_the_native_route_on_a_tree_that_carries_the_patch_is_refused_whole():
+    plan = engine.plan_apply(PATCHED_NATIVE_TREE, route="native", threshold=8)
+    config = engine.native_config(8, engine.DEFAULT_NUM_STEPS, engine.CONFIG_FILE_NAME, None)
+    assert plan == Plan(
+        "apply", "0.5.14", "native",
+        "EAGLEWorkerV2 has the steps-0 path (SGLang 0.5.14+): the threshold maps onto "
+        "--speculative-adaptive, no source change", native=config, server_flags=config.flags,
+        refusal="this tree carries the patch route: run dynspec-patch revert first (one "
+                "controller at a time); nothing was written", routes=("patch", "native"))
+    assert engine.plan_apply(NATIVE_TREE, route="native", threshold=8).refusal is None
+
+
+def test_status_shows_the_route_the_tree_is_on():
+    assert engine.plan_status(NATIVE_TREE).route == "patch"  # what apply would take
+    assert engine.plan_status(NATIVE_TREE, native_applied=True).route == "native"
+    assert engine.plan_status(PATCHED_NATIVE_TREE, native_applied=True).route == "patch"
+    assert engine.plan_status(NATIVE_TREE).routes == ("patch", "native")
+
+
+def test_route_native_on_a_release_without_it_plans_nothing_and_says_why():
+    plan = engine.plan_apply(small_tree(), route="native", threshold=8)
+    assert plan == Plan("apply", "0.5.4", "unsupported",
+                        "--route native needs SGLang 0.5.14+ (its steps-0 "
+                        "--speculative-adaptive); this release takes the patch route",
+                        routes=("patch",))
+
+
+def test_every_plan_names_the_routes_its_release_offers():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    assert engine.plan_apply(tree, threshold=8).routes == ("patch",)
+    assert engine.plan_revert(patched).routes == ("patch",)
+    assert engine.plan_status(patched).routes == ("patch",)
+    assert engine.plan_revert(NATIVE_TREE).routes == ("patch", "native")
+
+
+def test_a_patched_file_edited_since_apply_is_unknown_to_status_and_refused_by_apply():
+    tree = small_tree()
+    patched = applied(tree, engine.plan_apply(tree, threshold=8))
+    recorded = _records(tree, patched)
+    for path in (ARGS, V1):
+        edited = {**patched, path: patched[path] + b"# edited\n"}
+        row = {f.path: f for f in engine.plan_status(edited, recorded).files}[path]
+        assert row == FileChange.kept(path, edited[path], "unknown", "unchanged",
+                                      engine.EDITED_SINCE_APPLY)
+        plan = engine.plan_apply(edited, threshold=8, recorded=recorded)
+        assert {f.path: f for f in plan.files}[path] == FileChange.kept(
+            path, edited[path], "unknown", "refused", engine.EDITED_SINCE_APPLY)
+    # as recorded: patched, and nothing to do
+    assert {f.action for f in engine.plan_apply(patched, threshold=8, recorded=recorded).files} \
+        == {"unchanged"}
+    assert [f.state_before for f in engine.plan_status(patched, recorded).files] == (
+        ["patched"] * 3)
+
+
+def test_the_spec_fields_file_is_a_core_file_where_the_release_has_it():
+    spec = engine.AddDisableThresholdSpecFieldsCommand
+    core = [engine.InstallRuntimeModuleCommand, engine.AddDisableThresholdArgCommand]
+    assert [type(c) for c in engine._core_codemods({spec.PATH: b""})] == [*core, spec]
+    assert [type(c) for c in engine._core_codemods({})] == core
+
+
+def test_a_worker_its_codemod_refuses_is_not_patchable():
+    assert engine.plan_status({**small_tree(), V1: b"x = (\n"}).patchable_workers == ()
+
+
+def test_tree_state_lists_an_unknown_recorded_file_once_and_checks_the_others():
+    records = (FileRecord(ARGS, sha(b"a0"), sha(b"a1")), FileRecord(V1, sha(b"v0"), sha(b"v1")))
+    plan = _status(**{RUNTIME: "patched", ARGS: "unknown", V1: "patched"})
+    state = engine.tree_state(plan, Manifest("0.5.4", records),
+                              {RUNTIME: b"rt", ARGS: b"edited", V1: b"edited"})
+    assert state == engine.TreeState("mixed", (
+        f"{ARGS}: {ARGS} is unknown", f"{V1}: matches neither the recorded original nor patch"))
+
+
+def test_tree_state_counts_the_spec_fields_file_among_the_core_files():
+    spec = engine.AddDisableThresholdSpecFieldsCommand.PATH
+    patched = _status(**{RUNTIME: "patched", ARGS: "patched", spec: "patched", V2: "patched"})
+    assert engine.tree_state(patched, None, {RUNTIME: b""}) == engine.TreeState("patched")
+    half = _status(**{RUNTIME: "patched", ARGS: "patched", spec: "unpatched", V2: "patched"})
+    assert engine.tree_state(half, None, {RUNTIME: b""}).state == "mixed"

@@ -7,6 +7,7 @@ into answers "no running SGLang server"."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -37,11 +38,18 @@ def play(sshd, workdir: Path) -> dict[str, dict]:
         "bad_port": {**reach, "ansible_port": 70000},
         "other_user": {**reach, "ansible_user": "nobody-here"},
         "other_key": {**reach, "ansible_ssh_private_key_file": str(workdir / "no-such-key")},
+        # a host missing from known_hosts: refused, unless host key checking is off
+        "unknown_key": {**reach, "ansible_ssh_common_args":
+                        f"-o UserKnownHostsFile={workdir / 'known_hosts.strict'}"},
+        "no_checking": {**reach, "ansible_host_key_checking": False,
+                        "ansible_ssh_common_args":
+                        f"-o UserKnownHostsFile={workdir / 'known_hosts.accepting'}"},
     }
     inventory = workdir / "inventory.json"
     inventory.write_text(json.dumps({"all": {"hosts": hosts}}))
     (workdir / "play.yml").write_text(PLAY)
-    run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"), "--forks", "9")
+    run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"),
+                           "--forks", str(len(hosts)))
     found = {name: json.loads(result) for name, result in
              re.findall(r"^fatal: \[(\w+)\]: FAILED! => (\{.*\})$", run.stdout, re.M)}
     assert set(found) == set(hosts), run.stdout + run.stderr
@@ -50,10 +58,25 @@ def play(sshd, workdir: Path) -> dict[str, dict]:
     return found
 
 
-# One test, one play: the play is what runs the plugin (in ansible-playbook's processes), and
-# mutmut counts a mutant's tests by who ran its code
+def play_without_the_package(sshd, workdir: Path, monkeypatch) -> dict:
+    """One host, with a ``dynspec_patch`` ahead on PYTHONPATH that cannot be imported."""
+    shadow = workdir / "shadow" / "dynspec_patch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(shadow.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    inventory = workdir / "inventory-missing.json"
+    inventory.write_text(json.dumps({"all": {"hosts": {"reached": {
+        "ansible_host": "127.0.0.1", "ansible_port": sshd.port}}}}))
+    run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"))
+    [result] = re.findall(r"^fatal: \[reached\]: FAILED! => (\{.*\})$", run.stdout, re.M)
+    return json.loads(result)
+
+
+# One test: its plays are what run the plugin (in ansible-playbook's processes), and mutmut
+# counts a mutant's tests by who ran its code
 def test_the_plugin_refuses_become_it_cannot_honour_and_connects_as_the_inventory_says(
-        sshd, tmp_path):
+        sshd, tmp_path, monkeypatch):
     outcomes = play(sshd, tmp_path)
     # reached and logged into with the inventory's port, user and key
     assert outcomes["reached"]["msg"].startswith("no running SGLang server"), outcomes
@@ -78,3 +101,15 @@ def test_the_plugin_refuses_become_it_cannot_honour_and_connects_as_the_inventor
     for name in ("other_user", "other_key"):
         assert not outcomes[name]["msg"].startswith("no running SGLang server"), outcomes[name]
     assert "nobody-here" in outcomes["other_user"]["msg"]
+
+    # host_key_checking false is accept-new: the absent host is recorded, then logged into
+    assert outcomes["unknown_key"]["msg"].startswith(
+        f"host key of [127.0.0.1]:{sshd.port} is not in known_hosts"), outcomes["unknown_key"]
+    assert not (tmp_path / "known_hosts.strict").exists()
+    assert outcomes["no_checking"]["msg"].startswith("no running SGLang server"), outcomes
+    assert sshd.host_pub.split()[1] in (tmp_path / "known_hosts.accepting").read_text()
+
+    # a controller without the package: one line that says where to install it
+    assert play_without_the_package(sshd, tmp_path, monkeypatch)["msg"] == (
+        "the dynspec-patch Python package is not installed for the Python that runs Ansible on "
+        "the controller (hidden by the test); pip install it there")

@@ -61,3 +61,29 @@ def test_a_connection_rejects_unknown_host_keys_unless_told_otherwise():
     assert connection.target is target and connection.stats == ssh.Stats()
     assert not connection.accept_new_host_key
     assert ssh.Connection(target, accept_new_host_key=True).accept_new_host_key
+
+
+class _Hop:
+    """A jump host's connection, as far as the connection through it sees one."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_connection_that_never_opened_closes_quietly():
+    ssh.Connection(ssh.SshTarget(alias="h", hostname="127.0.0.1", port=22, user="u")).close()
+
+
+def test_a_connection_through_a_hop_is_tunnelled_through_it_and_closes_it(monkeypatch):
+    tunnels: list[object] = []
+    monkeypatch.setattr(ssh.Connection, "_direct_tcpip",
+                        lambda self, via: tunnels.append(via) or "channel")
+    hop = _Hop()
+    target = ssh.SshTarget(alias="h", hostname="127.0.0.1", port=22, user="u")
+    connection = ssh.Connection(target, _via=hop)
+    assert connection._open_socket() == "channel" and tunnels == [hop]
+    connection.close()
+    assert hop.closed
