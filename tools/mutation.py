@@ -92,13 +92,25 @@ TARGETS: dict[str, Target] = {
             *_methods("DynSpecController", "__init__", "decide", "_switch"),
             "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
             "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
+            # the auto controller's decisions: goodput by batch size, measured costs, the sync
+            "x_parse_threshold", *_methods("CostTable", "step_ms"),
+            *_methods("Snapshot", "to_wire", "from_wire"), "x_padded_batch_size",
+            *_methods("GoodputPolicy", "__init__", "adopt", "estimates", "decide",
+                      "_other_mode_wins", "_explores", "_switch"),
+            *_methods("Measurements", "__init__", "add", "resolve", "_add_acceptance",
+                      "snapshot"),
+            *_methods("AutoController", "__init__", "decide", "_sync", "start_step",
+                      "finish_step"),
+            # which speed levers run, and the warm-up's order of graph sizes
+            "x_lever_on", "x_replays_with_replay", "x_warmup_order",
         ),
         equivalent=(("x__is_pure_decode", '"is_extend_in_batch", None)',
                      "None and False are both false: a batch without the field is pure decode "
                      "either way"),),
-        why="the controller and the step decisions: whether a step runs speculative or the "
-            "fallback (the fallback steps themselves, _v1_step/_v2_step, ~400 mutants at ~10 s "
-            "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
+        why="the controllers (threshold and auto) and the step decisions: whether a step runs "
+            "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
+            "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
+            "them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",
