@@ -239,6 +239,10 @@ TARGETS: dict[str, Target] = {
                "default and a \"\" default give the same empty argument list")
               for piece in ('"ssh_common_args", None) or', '"ssh_common_args", ) or',
                             '"ssh_extra_args", None) or', '"ssh_extra_args", ) or')),
+            ("xǁActionModuleǁrun", "_get_remote_addr(task_vars and {})",
+             "ansible always passes task_vars, a dict, and ActionBase._get_remote_addr "
+             "(ansible-core 2.19) overwrites what it reads from them with the connection's "
+             "remote_addr/host option or the play context's remote_addr"),
             ("x__option", "(value is None) and False",
              "with the ssh connection plugin an unset option and the play context's value "
              "come from the same variables: the default is None exactly when the option is"),
