@@ -106,7 +106,12 @@ TARGETS: dict[str, Target] = {
         ),
         equivalent=(("x__is_pure_decode", '"is_extend_in_batch", None)',
                      "None and False are both false: a batch without the field is pure decode "
-                     "either way"),),
+                     "either way"),
+                    *(("x_warmup_order", piece, "the key is only compared for equality: "
+                       "negating one part, or 257 for the floor 256 (below every larger power "
+                       "of two), groups the same sizes together")
+                      for piece in ("return bs != 1, bs", "bs % 16 != 0, max(", "max(257, 1")),
+                    ("xǁSnapshotǁto_wire", 'float("NAN")', "float() reads nan in any case")),
         why="the controllers (threshold and auto) and the step decisions: whether a step runs "
             "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
             "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
