@@ -74,10 +74,13 @@ def play(sshd, workdir: Path, served: list[dict]) -> tuple[dict[str, dict], str]
     (workdir / "play.yml").write_text(PLAY)
     run = ansible_playbook(workdir, inventory, str(workdir / "play.yml"),
                            "--forks", str(len(hosts)), "-v")
-    found = {name: json.loads(result) for name, result in
-             re.findall(r"^(?:fatal|changed|ok): \[(\w+)\](?:: FAILED!)? => (\{.*\})$",
-                        run.stdout, re.M)}
+    lines = re.findall(r"^(fatal|changed|ok): \[(\w+)\](?:: FAILED!)? => (\{.*\})$",
+                       run.stdout, re.M)
+    found = {name: json.loads(result) for _status, name, result in lines}
     assert set(found) == set(hosts), run.stdout + run.stderr
+    # every host fails but the two that plan or apply on a fleet host
+    failed = {name for status, name, _result in lines if status == "fatal"}
+    assert failed == set(hosts) - {"dry_run", "sudo_apply"}, run.stdout
     # ActionBase.run warns when the plugin hands it a tmp
     assert "no longer honors the tmp parameter" not in run.stdout + run.stderr
     return found, run.stdout
