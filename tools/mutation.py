@@ -92,13 +92,30 @@ TARGETS: dict[str, Target] = {
             *_methods("DynSpecController", "__init__", "decide", "_switch"),
             "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
             "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
+            # the auto controller's decisions: goodput by batch size, measured costs, the sync
+            "x_parse_threshold", *_methods("CostTable", "step_ms"),
+            *_methods("Snapshot", "to_wire", "from_wire"), "x_padded_batch_size",
+            *_methods("GoodputPolicy", "__init__", "adopt", "estimates", "decide",
+                      "_other_mode_wins", "_explores", "_switch"),
+            *_methods("Measurements", "__init__", "add", "resolve", "_add_acceptance",
+                      "snapshot"),
+            *_methods("AutoController", "__init__", "decide", "_sync", "start_step",
+                      "finish_step"),
+            # which speed levers run, and the warm-up's order of graph sizes
+            "x_lever_on", "x_replays_with_replay", "x_warmup_order",
         ),
         equivalent=(("x__is_pure_decode", '"is_extend_in_batch", None)',
                      "None and False are both false: a batch without the field is pure decode "
-                     "either way"),),
-        why="the controller and the step decisions: whether a step runs speculative or the "
-            "fallback (the fallback steps themselves, _v1_step/_v2_step, ~400 mutants at ~10 s "
-            "each here, and the adapters are left out; the slow tier runs them on real SGLang)"),
+                     "either way"),
+                    *(("x_warmup_order", piece, "the key is only compared for equality: "
+                       "negating one part, or 257 for the floor 256 (below every larger power "
+                       "of two), groups the same sizes together")
+                      for piece in ("return bs != 1, bs", "bs % 16 != 0, max(", "max(257, 1")),
+                    ("xǁSnapshotǁto_wire", 'float("NAN")', "float() reads nan in any case")),
+        why="the controllers (threshold and auto) and the step decisions: whether a step runs "
+            "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
+            "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
+            "them on real SGLang)"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",
@@ -227,6 +244,10 @@ TARGETS: dict[str, Target] = {
                "default and a \"\" default give the same empty argument list")
               for piece in ('"ssh_common_args", None) or', '"ssh_common_args", ) or',
                             '"ssh_extra_args", None) or', '"ssh_extra_args", ) or')),
+            ("xǁActionModuleǁrun", "_get_remote_addr(task_vars and {})",
+             "ansible always passes task_vars, a dict, and ActionBase._get_remote_addr "
+             "(ansible-core 2.19) overwrites what it reads from them with the connection's "
+             "remote_addr/host option or the play context's remote_addr"),
             ("x__option", "(value is None) and False",
              "with the ssh connection plugin an unset option and the play context's value "
              "come from the same variables: the default is None exactly when the option is"),

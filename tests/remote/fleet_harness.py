@@ -105,6 +105,9 @@ class FleetHost:
     def stop(self) -> None:
         self.sshd.stop()  # PID 1 of the namespace: its servers die with it
         harness.kill_matching(str(self.root))
+        if self.server is not None:  # its nsenter ends with the namespace: reap it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.extra["popen"].wait(timeout=30)
 
 
 def make_fleet(base: Path, pristine: Path, count: int,

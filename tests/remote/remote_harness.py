@@ -83,6 +83,10 @@ class Sshd:
         # --kill-child: sshd (PID 1 inside) dies with unshare, and the namespace with it
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+        # reaped here: a zombie left behind is picked up by whoever waits for any child next
+        # (mutmut's os.wait() for its workers, which then fails on the unknown pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
 
 
 def _children(pid: int) -> list[int]:

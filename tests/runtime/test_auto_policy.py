@@ -1,5 +1,6 @@
 """The ``auto`` decision core (GoodputPolicy) on synthetic cost tables: no torch, no time."""
 
+import math
 import random
 
 import pytest
@@ -67,6 +68,19 @@ def test_it_speculates_while_any_input_is_unknown():
     assert policy.n_switches == 0
     # ... but it measures the unknown plain cost there: one plain step per explore gap.
     assert sum(decisions) == policy.n_explores == len(range(0, 100, AutoConfig().explore_gap))
+
+
+def test_a_snapshot_crosses_the_wire_unchanged_unknowns_included():
+    """What rank 0 broadcasts is what every rank adopts: floats only, NaN for an unknown."""
+    snapshot = Snapshot(2.5, CostTable({16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}))
+    wire = snapshot.to_wire()
+    assert all(isinstance(x, float) for x in wire)
+    assert wire[:4] == [2.5, 1.0, 11.0, wire[3]] and math.isnan(wire[3])  # sizes in order
+    assert Snapshot.from_wire(wire) == snapshot
+    cold = Snapshot()  # nothing measured yet
+    [tokens] = cold.to_wire()
+    assert math.isnan(tokens)
+    assert Snapshot.from_wire([tokens]) == cold
 
 
 def test_costs_between_graph_sizes_are_interpolated_and_unknown_outside():

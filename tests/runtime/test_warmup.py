@@ -120,6 +120,8 @@ def test_warmup_order_replays_one_size_of_each_specialisation_first():
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 128, 256, 512]
     assert dyn.warmup_order(sizes) == [1, 2, 16, 512, 4, 8, 24, 32, 40, 48, 64, 128, 256]
     assert dyn.warmup_order([24, 16, 24]) == [16, 24]
+    # 2 opens the class of 3 (1 is a class of its own), 257 the one above 256 (512's block)
+    assert dyn.warmup_order([2, 3, 16, 257, 512]) == [2, 16, 257, 512, 3]
 
 
 def test_run_warmup_stops_at_the_budget_before_the_next_replay():
