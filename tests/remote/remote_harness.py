@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -87,6 +88,47 @@ class Sshd:
         # (mutmut's os.wait() for its workers, which then fails on the unknown pid)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
+
+
+@dataclass
+class LoginKeys:
+    """Keys beside the operator account's own: a stranger's key sshd refuses, a key only an
+    ssh-agent (``agent_sock``) holds, and an OpenSSH user certificate for ``cert_key``, stored
+    under a name paramiko does not try by itself, from a CA the account trusts."""
+
+    stranger: Path
+    agent_sock: Path
+    agent_pid: int
+    cert_key: Path
+    certificate: Path
+
+    def stop(self) -> None:
+        os.kill(self.agent_pid, signal.SIGTERM)
+
+
+def keygen(path: Path) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return path
+
+
+def make_login_keys(sshd: Sshd, base: Path, identity: str) -> LoginKeys:
+    """``LoginKeys`` in ``base`` (the certificate is ``base/certificate.pub``), the agent's key and
+    the CA added to the operator's authorized keys on ``sshd``; ``stop()`` ends the agent."""
+    stranger, agent_key, ca, cert_key = (
+        keygen(base / name) for name in ("stranger", "agent_key", "ca", "cert_key"))
+    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", identity, "-n", OP_USER,
+                    "-V", "+1h", f"{cert_key}.pub"], check=True)
+    os.replace(f"{cert_key}-cert.pub", base / "certificate.pub")
+    with (sshd.base / f"authorized_keys.{OP_USER}").open("a") as fh:
+        fh.write((base / "agent_key.pub").read_text())
+        fh.write("cert-authority " + (base / "ca.pub").read_text())
+    sock = base / "agent.sock"
+    started = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True,
+                             text=True, check=True).stdout
+    agent_pid = int(re.search(r"SSH_AGENT_PID=(\d+)", started)[1])
+    subprocess.run(["ssh-add", "-q", str(agent_key)], check=True, capture_output=True,
+                   env={**os.environ, "SSH_AUTH_SOCK": str(sock)})
+    return LoginKeys(stranger, sock, agent_pid, cert_key, base / "certificate.pub")
 
 
 def _children(pid: int) -> list[int]:

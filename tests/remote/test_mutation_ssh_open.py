@@ -8,11 +8,8 @@ no SSH_AUTH_SOCK, so the only keys, agents and known_hosts in play are the ones 
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
-from remote_harness import OP_USER
+from remote_harness import OP_USER, make_login_keys
 
 from dynspec_patch.patcher import ssh
 from dynspec_patch.patcher.errors import UsageError
@@ -40,33 +37,14 @@ while data := link.recv(65536):
 """
 
 
-def _keygen(path: Path) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path
-
-
 @pytest.fixture(scope="module")
 def keys(sshd, tmp_path_factory) -> Iterator[dict[str, Path]]:
     """A stranger's key, a key only an ssh-agent holds, and an OpenSSH user certificate (under a
     name paramiko does not try by itself) whose CA the account trusts."""
-    base = tmp_path_factory.mktemp("open")
-    stranger, agent_key, ca, cert_key = (
-        _keygen(base / name) for name in ("stranger", "agent_key", "ca", "cert_key"))
-    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "open", "-n", OP_USER, "-V", "+1h",
-                    f"{cert_key}.pub"], check=True)
-    os.replace(f"{cert_key}-cert.pub", base / "certificate.pub")
-    with (sshd.base / f"authorized_keys.{OP_USER}").open("a") as fh:
-        fh.write((base / "agent_key.pub").read_text())
-        fh.write("cert-authority " + (base / "ca.pub").read_text())
-    sock = base / "agent.sock"
-    started = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True,
-                             text=True, check=True).stdout
-    agent_pid = int(re.search(r"SSH_AGENT_PID=(\d+)", started)[1])
-    subprocess.run(["ssh-add", "-q", str(agent_key)], check=True, capture_output=True,
-                   env={**os.environ, "SSH_AUTH_SOCK": str(sock)})
-    yield {"stranger": stranger, "agent": sock, "cert_key": cert_key,
-           "certificate": base / "certificate.pub"}
-    os.kill(agent_pid, signal.SIGTERM)
+    login = make_login_keys(sshd, tmp_path_factory.mktemp("open"), "open")
+    yield {"stranger": login.stranger, "agent": login.agent_sock, "cert_key": login.cert_key,
+           "certificate": login.certificate}
+    login.stop()
 
 
 @pytest.fixture(autouse=True)

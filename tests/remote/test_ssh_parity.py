@@ -6,15 +6,13 @@ user certificate (CertificateFile), hashed known_hosts; and aliases both must fa
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from remote_harness import OP_USER
+from remote_harness import OP_USER, make_login_keys
 
 from dynspec_patch.patcher import ssh as ssh_module
 from dynspec_patch.patcher.errors import DynspecError
@@ -25,30 +23,12 @@ REACHABLE = ("direct", "first-wins", "box.loop", "matched", "included", "tokens"
 UNREACHABLE = ("wrong-port", "wrong-key", "unknown-key", "agent-missing")
 
 
-def _keygen(path: Path) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path
-
-
 @pytest.fixture(scope="module")
 def parity(sshd, tmp_path_factory) -> Iterator[Path]:
     base = tmp_path_factory.mktemp("parity")
-    authorized = sshd.base / f"authorized_keys.{OP_USER}"
     # a key only the agent holds, and a CA whose certificates the account accepts
-    agent_key, ca, cert_key = (_keygen(base / n) for n in ("agent_key", "ca", "cert_key"))
-    stranger = _keygen(base / "stranger_key")
-    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "parity", "-n", OP_USER,
-                    "-V", "+1h", str(cert_key) + ".pub"], check=True)
-    os.replace(str(cert_key) + "-cert.pub", base / "certificate.pub")  # not the default name
-    with authorized.open("a") as fh:
-        fh.write((base / "agent_key.pub").read_text())
-        fh.write("cert-authority " + (base / "ca.pub").read_text())
-    sock = base / "agent.sock"
-    started = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True,
-                             text=True, check=True).stdout
-    agent_pid = int(re.search(r"SSH_AGENT_PID=(\d+)", started)[1])
-    subprocess.run(["ssh-add", "-q", str(agent_key)], env={**os.environ,
-                   "SSH_AUTH_SOCK": str(sock)}, check=True, capture_output=True)
+    login = make_login_keys(sshd, base, "parity")
+    stranger, cert_key, sock = login.stranger, login.cert_key, login.agent_sock
     (base / "keys").mkdir()
     shutil.copy(sshd.client_key, base / "keys" / f"{OP_USER}.key")
     os.chmod(base / "keys" / f"{OP_USER}.key", 0o600)
@@ -130,7 +110,7 @@ Host *
   BatchMode yes
 """)
     yield cfg
-    os.kill(agent_pid, signal.SIGTERM)
+    login.stop()
 
 
 def _openssh_reaches(cfg: Path, alias: str) -> bool:
