@@ -207,7 +207,11 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
     cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
            "--levels", "1,4", "--greedy", "1", "--olen", "8", "--duration", "0.5", "--repeats", "2"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
-    levels = json.loads(out.read_text())["levels"]
+    result = json.loads(out.read_text())
+    assert result["server_info"]["version"] == "stub"  # the result names the server it measured
+    assert result["effective_args"]["version"] == "stub"
+    assert result["effective_args"]["speculative_algorithm"] is None
+    levels = result["levels"]
     assert [(d["concurrency"], d["repeat"]) for d in levels] == [(1, 0), (1, 1), (4, 0), (4, 1)]
     for d in levels:
         assert d["wall_s"] >= 0.5

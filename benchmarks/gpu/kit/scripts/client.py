@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import server_info  # beside this script
+
 ap = argparse.ArgumentParser()
 ap.add_argument("url")
 ap.add_argument("out")
@@ -124,38 +126,12 @@ def summarize(res, wall, conc):
 
 
 out = {"name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "levels": [], "errors": []}
-try:
-    out["server_info"] = json.loads(
-        urllib.request.urlopen(a.url + "/get_server_info", timeout=30).read()
-    )
-except Exception:
-    try:
-        out["server_info"] = json.loads(
-            urllib.request.urlopen(a.url + "/server_info", timeout=30).read()
-        )
-    except Exception as e2:
-        out["errors"].append(f"server_info: {e2}")
-si = out.get("server_info") or {}
-out["effective_args"] = {
-    k: si.get(k)
-    for k in (
-        "speculative_algorithm",
-        "disable_overlap_schedule",
-        "speculative_eagle_topk",
-        "speculative_num_steps",
-        "speculative_num_draft_tokens",
-        "speculative_disable_batch_threshold",
-        "speculative_adaptive",
-        "speculative_adaptive_config",
-        "tp_size",
-        "dp_size",
-        "disable_cuda_graph",
-        "cuda_graph_max_bs",
-        "max_running_requests",
-        "attention_backend",
-        "version",
-    )
-}
+info, error = server_info.fetch(a.url)
+if info:
+    out["server_info"] = info
+if error:
+    out["errors"].append(error)
+out["effective_args"] = server_info.effective_args(info)
 print("effective args:", out["effective_args"], flush=True)
 # warm-up (short) so lazy compilation does not land in the first measured level
 try:

@@ -32,27 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crafted
+import server_info
 
 MIX = "mix"
 REGION_NAMES = tuple(name for name, _ in crafted.REGIONS)
-EFFECTIVE_KEYS = (
-    "speculative_algorithm",
-    "disable_overlap_schedule",
-    "speculative_eagle_topk",
-    "speculative_num_steps",
-    "speculative_num_draft_tokens",
-    "speculative_disable_batch_threshold",
-    "speculative_adaptive",
-    "speculative_adaptive_config",
-    "tp_size",
-    "dp_size",
-    "disable_cuda_graph",
-    "cuda_graph_max_bs",
-    "max_running_requests",
-    "attention_backend",
-    "model_path",
-    "version",
-)
+EFFECTIVE_KEYS = (*server_info.EFFECTIVE_KEYS, "model_path")  # which crafted model ran
 WARMUP_S = 15.0  # server info, warm-up requests
 # Seconds after DURATION until a level's last requests finish: OLEN tokens at ~20 ms a token (the
 # slowest case measured, unpatched EAGLE-3 at c = 128, is ~50 tokens/s per request).
@@ -168,17 +152,6 @@ def summarize(res: list[dict], wall: float, conc: int) -> dict:
     return d
 
 
-def server_info(url: str) -> tuple[dict, str | None]:
-    error = None
-    for path in ("/get_server_info", "/server_info"):
-        try:
-            with urllib.request.urlopen(url + path, timeout=30) as r:
-                return json.loads(r.read()), None
-        except (OSError, ValueError) as exc:
-            error = f"server_info: {exc!r}"
-    return {}, error
-
-
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
     planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, a.olen)
@@ -188,11 +161,11 @@ def main(argv: list[str]) -> None:
     print(f"envelope {a.name}: {len(a.region_list)} regions x {len(a.level_list)} levels x "
           f"{a.repeats} repeats of >= {a.duration:g}s: about {planned}s", flush=True)
     started = time.perf_counter()
-    info, error = server_info(a.url)
+    info, error = server_info.fetch(a.url)
     out: dict = {
         "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "duration_s": a.duration,
         "repeats": a.repeats, "regions": a.region_list, "estimated_s": planned,
-        "server_info": info, "effective_args": {k: info.get(k) for k in EFFECTIVE_KEYS},
+        "server_info": info, "effective_args": server_info.effective_args(info, EFFECTIVE_KEYS),
         "levels": [], "errors": [error] if error else [],
     }
     print("effective args:", json.dumps(out["effective_args"]), flush=True)
