@@ -10,7 +10,6 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
@@ -22,11 +21,12 @@ sys.path.insert(0, str(GPU))
 
 import crafted  # noqa: E402
 import envelope_report  # noqa: E402
+from stub_http import JsonHandler, serving  # noqa: E402
 
 ACCEPT = {"accept0": 1.0, "accept50": 2.0, "accept90": 3.5}  # the stand-in's accept lengths
 
 
-class CraftedStub(BaseHTTPRequestHandler):
+class CraftedStub(JsonHandler):
     """Continues prompts as the crafted target does (optionally dropping a token), reports the
     region's accept length, and records the regions in flight at each request's start."""
 
@@ -34,16 +34,6 @@ class CraftedStub(BaseHTTPRequestHandler):
     lock = threading.Lock()
     in_flight: ClassVar[list[int]] = []
     seen: ClassVar[list[tuple[str, frozenset[str]]]] = []  # (region, regions in flight then)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": "EAGLE3", "version": "stub",
@@ -67,18 +57,10 @@ class CraftedStub(BaseHTTPRequestHandler):
                      "meta_info": {"completion_tokens": n, "spec_accept_length": ACCEPT[region]}})
 
 
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128
-    daemon_threads = True
-
-
 @pytest.fixture
 def crafted_url() -> Iterator[str]:
-    server = _Server(("127.0.0.1", 0), CraftedStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(CraftedStub) as url:
+        yield url
     CraftedStub.drop_at = None
     CraftedStub.seen.clear()
 

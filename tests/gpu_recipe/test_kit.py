@@ -14,10 +14,8 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ KIT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kit"
 sys.path.insert(0, str(KIT / "scripts"))
 
 import crafted  # noqa: E402
+from stub_http import JsonHandler, serving  # noqa: E402
 
 
 def test_regions_are_cycles_and_pred_inverts_succ():
@@ -75,13 +74,10 @@ def test_crafted_weights_compute_the_successor_and_the_draft(monkeypatch):
         mkweights.verify(target, broken, 512)
 
 
-class SuccessorServer(BaseHTTPRequestHandler):
+class SuccessorServer(JsonHandler):
     """Continues every prompt as the crafted target would; optionally drops one token."""
 
     drop_at: int | None = None
-
-    def log_message(self, *args: object) -> None:
-        pass
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -89,26 +85,13 @@ class SuccessorServer(BaseHTTPRequestHandler):
         out = crafted.expected_continuation(ids, n + 1)
         if self.drop_at is not None and n > self.drop_at:
             del out[self.drop_at]  # the stream skips a token, as a lost fallback step would
-        out = out[:n]
-        reply = json.dumps({"output_ids": out, "meta_info": {"spec_accept_length": 1.0}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128
-    daemon_threads = True
+        self._reply({"output_ids": out[:n], "meta_info": {"spec_accept_length": 1.0}})
 
 
 @pytest.fixture
 def successor_url() -> Iterator[str]:
-    server = _Server(("127.0.0.1", 0), SuccessorServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(SuccessorServer) as url:
+        yield url
     SuccessorServer.drop_at = None
 
 
@@ -153,22 +136,12 @@ def test_run_sh_parses():
     subprocess.run(["bash", "-n", str(KIT / "scripts" / "run.sh")], check=True)
 
 
-class SweepStub(BaseHTTPRequestHandler):
+class SweepStub(JsonHandler):
     """A stand-in SGLang server for client.py and profile_steps.py: /generate answers after a
     short delay with max_new_tokens ids, /start_profile writes a canned GPU trace (or none)."""
 
     write_trace = True
     kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
@@ -194,11 +167,8 @@ class SweepStub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub_url() -> Iterator[str]:
-    server = _Server(("127.0.0.1", 0), SweepStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(SweepStub) as url:
+        yield url
     SweepStub.write_trace = True
 
 
