@@ -31,10 +31,11 @@ FIXED_COLOURS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22
 
 
 def tok_s(result: dict) -> dict[str, dict[int, float]]:
-    """region -> concurrency -> mean output tok/s over the repeats (failed levels left out)."""
+    """region -> concurrency -> mean output tok/s over the repeats (failed levels and the burst
+    levels, which measure switching, left out)."""
     values: dict[str, dict[int, list[float]]] = {}
     for level in result.get("levels", []):
-        if "output_tok_per_s" not in level:
+        if "output_tok_per_s" not in level or level.get("phase") == "burst":
             continue
         region = values.setdefault(level.get("region", "?"), {})
         region.setdefault(int(level["concurrency"]), []).append(float(level["output_tok_per_s"]))

@@ -3,6 +3,7 @@ for a server of the crafted models on 127.0.0.1, and envelope_report.py's arithm
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -94,6 +95,23 @@ def test_every_region_and_level_is_a_closed_loop_with_checked_outputs(crafted_ur
     assert any(names == frozenset(ACCEPT) for names in mixed)  # all three in flight at once
 
 
+def test_burst_levels_run_back_to_back_after_the_sweep_with_their_clock_times(crafted_url,
+                                                                           tmp_path):
+    out = tmp_path / "env.json"
+    run_envelope(crafted_url, out, "--levels", "2", "--regions", "accept0", "--duration", "0.2",
+                 "--repeats", "1", "--burst", "1,4,1")
+    levels = json.loads(out.read_text())["levels"]
+    assert [(d["phase"], d["region"], d["concurrency"]) for d in levels] == [
+        ("sweep", "accept0", 2), ("burst", "accept90", 1), ("burst", "accept90", 4),
+        ("burst", "accept90", 1)]
+    for before, after in itertools.pairwise(levels):
+        assert before["started_unix"] < before["ended_unix"] <= after["started_unix"]
+        assert after["started_unix"] - before["ended_unix"] < 0.5  # back to back
+    # the burst measures switching: the envelope table leaves it out
+    sweep_only = envelope_report.tok_s({"levels": levels})
+    assert sweep_only == {"accept0": {2: levels[0]["output_tok_per_s"]}}
+
+
 def test_a_stream_that_skips_a_token_counts_as_mismatched(crafted_url, tmp_path):
     CraftedStub.drop_at = 3
     out = tmp_path / "env.json"
@@ -109,6 +127,9 @@ def test_the_estimate_counts_levels_regions_repeats_and_the_tail():
            "--olen", "100", "--estimate"]
     seconds = int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     assert seconds == round(15 + 3 * 2 * 2 * (5 + 100 * 0.02))
+    with_burst = subprocess.run([*cmd, "--burst", "1,64,1"], check=True, capture_output=True,
+                                text=True).stdout
+    assert int(with_burst) == round(15 + (3 * 2 * 2 + 3) * (5 + 100 * 0.02))
     bad = subprocess.run([*cmd[:5], "--regions", "accept42", "--estimate"], capture_output=True)
     assert bad.returncode == 2
 

@@ -2,7 +2,7 @@
 
 usage: python3 envelope.py URL OUT.json NAME [--levels 1,4,16,32,64,128]
            [--regions accept0,accept50,accept90,mix] [--duration 10] [--repeats 2]
-           [--plen 64] [--olen 128] [--estimate]
+           [--plen 64] [--olen 128] [--burst 1,64,1] [--estimate]
 
 The server runs the crafted successor models (crafted.py): a prompt's tokens pick its region, so
 the draft's acceptance is ~0 %, ~50 % or ~90 % ("mix": each client cycles through the three
@@ -10,6 +10,9 @@ regions request by request, so every batch holds all three). For each region and
 closed loop of c clients runs for >= DURATION s (each client sends its next request as its last
 one returns; the requests in flight then finish), REPEATS times in a row, as client.py does.
 Every output is checked against the model's analytic continuation (``mismatched``).
+``--burst`` then runs its levels back to back once more in the accept90 region (``"phase":
+"burst"``): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
+the server log's switch lines show how long after a load change the controller switched.
 
 Writes the kit's client format (name, url, server_info, effective_args, levels, errors) with
 each level's ``region``; the file is rewritten after every level, so a timeout keeps what ran.
@@ -55,19 +58,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--plen", type=int, default=64)
     ap.add_argument("--olen", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--burst", default="", help="levels run back to back after the sweep")
     ap.add_argument("--estimate", action="store_true")
     a = ap.parse_args(argv)
     a.level_list = [int(x) for x in a.levels.split(",") if x]
     a.region_list = [r for r in a.regions.split(",") if r]
+    a.burst_list = [int(x) for x in a.burst.split(",") if x]
     unknown = [r for r in a.region_list if r not in (*REGION_NAMES, MIX)]
-    if unknown or not a.region_list or not a.level_list or min(a.level_list) < 1:
-        ap.error(f"--regions from {', '.join((*REGION_NAMES, MIX))}; --levels integers >= 1")
+    if (unknown or not a.region_list or not a.level_list
+            or min(a.level_list + a.burst_list) < 1):
+        ap.error(f"--regions from {', '.join((*REGION_NAMES, MIX))}; "
+                 "--levels and --burst integers >= 1")
     return a
 
 
-def estimate_s(levels: int, regions: int, repeats: int, duration: float, olen: int) -> int:
-    """Expected seconds of one sweep (server start not included)."""
-    return round(WARMUP_S + levels * regions * repeats * (duration + olen * TAIL_S_PER_TOKEN))
+def estimate_s(levels: int, regions: int, repeats: int, duration: float, olen: int,
+               burst: int = 0) -> int:
+    """Expected seconds of one sweep and its burst levels (server start not included)."""
+    runs = levels * regions * repeats + burst
+    return round(WARMUP_S + runs * (duration + olen * TAIL_S_PER_TOKEN))
 
 
 def prompt(rng: random.Random, region: int, length: int) -> list[int]:
@@ -112,7 +121,7 @@ class Sweep:
 
     def level(self, region: str, conc: int, seed: int) -> dict:
         """One closed loop of ``conc`` clients for >= duration seconds."""
-        duration, t0 = self.a.duration, time.perf_counter()
+        duration, t0, started = self.a.duration, time.perf_counter(), time.time()
 
         def client(k: int) -> list[dict]:
             rng, done = random.Random(seed * 1000 + k), []
@@ -123,7 +132,8 @@ class Sweep:
 
         with ThreadPoolExecutor(conc) as ex:
             res = [r for part in ex.map(client, range(conc)) for r in part]
-        return summarize(res, time.perf_counter() - t0, conc)
+        return {**summarize(res, time.perf_counter() - t0, conc),
+                "started_unix": round(started, 3), "ended_unix": round(time.time(), 3)}
 
 
 def summarize(res: list[dict], wall: float, conc: int) -> dict:
@@ -154,7 +164,8 @@ def summarize(res: list[dict], wall: float, conc: int) -> dict:
 
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
-    planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, a.olen)
+    planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, a.olen,
+                         len(a.burst_list))
     if a.estimate:
         print(planned)
         return
@@ -174,18 +185,19 @@ def main(argv: list[str]) -> None:
     with ThreadPoolExecutor(4) as ex:  # warm-up: lazy compiles stay out of the first level
         warm = list(ex.map(sweep.generate, [prompt(rng, i % 3, a.plen) for i in range(8)]))
     out["errors"] += [f"warmup: {w['error']}" for w in warm if "error" in w]
-    for region in a.region_list:
-        for conc in a.level_list:
-            for rep in range(a.repeats):
-                d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep)}
-                d |= {"repeat": rep, "duration_s": a.duration}
-                if d["failed"]:
-                    out["errors"].append(f"{region} c={conc}: {d['first_error']}")
-                out["levels"].append(d)
-                print(json.dumps(d), flush=True)
-                out["elapsed_s"] = round(time.perf_counter() - started, 1)
-                with open(a.out, "w") as f:
-                    json.dump(out, f)
+    runs = [("sweep", region, conc, rep) for region in a.region_list for conc in a.level_list
+            for rep in range(a.repeats)]
+    runs += [("burst", "accept90", conc, 0) for conc in a.burst_list]
+    for n, (phase, region, conc, rep) in enumerate(runs):
+        d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
+        d |= {"repeat": rep, "duration_s": a.duration, "phase": phase}
+        if d["failed"]:
+            out["errors"].append(f"{phase} {region} c={conc}: {d['first_error']}")
+        out["levels"].append(d)
+        print(json.dumps(d), flush=True)
+        out["elapsed_s"] = round(time.perf_counter() - started, 1)
+        with open(a.out, "w") as f:
+            json.dump(out, f)
     out["elapsed_s"] = round(time.perf_counter() - started, 1)
     with open(a.out, "w") as f:
         json.dump(out, f)
