@@ -1,5 +1,6 @@
 """The ``auto`` decision core (GoodputPolicy) on synthetic cost tables: no torch, no time."""
 
+import itertools
 import math
 import random
 
@@ -10,7 +11,9 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     AutoController,
     CostTable,
     GoodputPolicy,
+    Measurements,
     Snapshot,
+    _Measured,
     padded_batch_size,
     parse_threshold,
 )
@@ -165,6 +168,73 @@ def test_a_burst_switches_within_the_confirm_steps_each_way():
     assert policy.n_switches == 2
 
 
+def swinging(policy: GoodputPolicy, steps: int, bs: int = 32) -> list[int]:
+    """Acceptance that swings every 600 steps at a load near the crossover (bs 32: plain wins
+    at 2.0 tokens/step, speculation at 3.0); the steps at which the policy switched."""
+    switched_at = []
+    for step in range(steps):
+        if step % 600 == 0:
+            policy.adopt(Snapshot(2.0 if step // 600 % 2 == 0 else 3.0, table()))
+        before = policy.n_switches
+        policy.decide(bs)
+        if policy.n_switches > before:
+            switched_at.append(step)
+    return switched_at
+
+
+def test_switching_back_and_forth_at_one_load_needs_4x_the_wins_each_time():
+    switched_at = swinging(policy_with(2.0), 60_000)
+    # 8, 8, 32, 128, 512 wins, each in its 600-step stretch; 2048 no longer fit in one
+    assert [step % 600 for step in switched_at[:5]] == [7, 7, 31, 127, 511]
+    assert [step // 600 for step in switched_at[:5]] == [0, 1, 2, 3, 4]
+    # from then on one flap is forgiven per 8192 quiet steps: 512 wins fit again, then 2048
+    # do not: one switch per more than 8192 steps
+    later = switched_at[4:]
+    assert len(later) > 2
+    assert all(b - a > 8192 for a, b in itertools.pairwise(later))
+    assert all(step % 600 == 511 for step in later)
+
+
+def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_steps():
+    confirm = AutoConfig().confirm_steps
+    policy = policy_with(2.0)
+    assert len(swinging(policy, 6000)) >= 5
+    for bs, fallback in ((4, False), (64, True), (4, False)):  # 8x, 16x, 16x the load
+        policy.adopt(Snapshot(2.0, table()))
+        if policy.in_fallback == fallback:  # already there: move the other way first
+            continue
+        modes = []
+        for _ in range(100):
+            policy.decide(bs)
+            modes.append(policy.in_fallback)
+        # within the dwell steps (wins the other mode had at the old load count too)
+        assert modes.index(fallback) <= confirm - 1, bs
+
+
+def test_a_probe_runs_until_it_has_verified_32_requests_at_most_8_steps():
+    for bs, steps in ((64, 1), (32, 1), (8, 4), (4, 8), (1, 8)):
+        policy = policy_with(1.0)  # plain wins everywhere: into fallback, then probes
+        decisions = [policy.decide(bs) for _ in range(2000)]
+        spec = [i for i, fallback in enumerate(decisions) if not fallback]
+        first_probe = spec[AutoConfig().confirm_steps - 1]
+        assert spec[AutoConfig().confirm_steps - 1 :][:steps] == list(
+            range(first_probe, first_probe + steps)
+        ), bs
+        assert first_probe + steps not in spec, bs  # then fallback steps again
+
+
+def test_in_fallback_the_probe_gap_starts_again_when_the_load_moves_2x():
+    policy = policy_with(1.0)
+    for _ in range(5000):
+        policy.decide(64)  # the gap has grown to 1024
+    assert policy.in_fallback
+    decisions = [policy.decide(16) for _ in range(2040)]
+    starts = [i for i, fallback in enumerate(decisions) if not fallback and decisions[i - 1]]
+    # a probe (2 steps of 16 requests) 16 steps after the move, then gaps of 32, 64, ... again
+    assert starts == [15, 48, 113, 242, 499, 1012, 2037]
+    assert all(not decisions[i + 1] for i in starts[:-1])
+
+
 def test_a_switch_logs_the_estimates_that_decided_it():
     lines: list[str] = []
     policy = GoodputPolicy(AutoConfig(confirm_steps=2), GRAPH_SIZES, log=lines.append)
@@ -243,14 +313,45 @@ def test_probes_notice_that_acceptance_rose_while_in_fallback():
     assert controller.policy.n_switches == 2
 
 
-def test_without_the_probe_re_measure_a_rise_would_go_unnoticed_for_long():
-    """The EMA alone moves 20 % per probe: the re-measure is what makes the test above pass."""
-    clock = StepCosts()
-    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
-    original = controller.measurements._add_acceptance
-    controller.measurements._add_acceptance = lambda tokens, probe: original(tokens, False)
-    modes, _ = drive(controller, clock, [64] * 3000, lambda step: 2.0 if step < 1000 else 4.0)
-    assert all(modes[100:])
+def verified(measurements: Measurements, steps, *, probe=False, first_step=0):
+    """Feed ``measurements`` resolved speculative steps: ``(requests, tokens per request)``."""
+    for i, (requests, tokens) in enumerate(steps):
+        measurements.add(_Measured(first_step + i, True, requests, requests, 5.0,
+                                   constant(tokens), probe=probe))
+    measurements.resolve(first_step + len(steps))
+
+
+def test_acceptance_is_the_mean_over_the_newest_steps_that_hold_64_requests():
+    one_request = Measurements(AutoConfig(), StepCosts())
+    verified(one_request, [(1, 2.0)] * 100)
+    verified(one_request, [(1, 4.0)], first_step=100)  # one step of one request: a nudge
+    assert one_request.tokens_per_step == pytest.approx((63 * 2.0 + 4.0) / 64)
+    big_batch = Measurements(AutoConfig(), StepCosts())
+    verified(big_batch, [(64, 2.0)] * 10)
+    verified(big_batch, [(64, 4.0)], first_step=10)  # one step of 64 requests: all of it
+    assert big_batch.tokens_per_step == 4.0
+    mixed = Measurements(AutoConfig(), StepCosts())
+    verified(mixed, [(48, 1.0), (16, 4.0), (32, 2.0)])  # 48 newest requests: all three
+    assert mixed.tokens_per_step == pytest.approx((48 * 1.0 + 16 * 4.0 + 32 * 2.0) / 96)
+    verified(mixed, [(32, 3.0)], first_step=3)  # 64 newest requests: the oldest two go
+    assert mixed.tokens_per_step == pytest.approx((32 * 2.0 + 32 * 3.0) / 64)
+
+
+def test_a_probe_replaces_what_the_speculative_stretch_left():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(8, 1.2)] * 20)
+    # a probe of 4 steps at bs 8 (32 requests) after the acceptance rose
+    verified(measurements, [(8, 2.4)] * 4, probe=True, first_step=20)
+    assert measurements.tokens_per_step == pytest.approx(2.4)
+    # the same 4 steps while speculating only move the mean of the newest 64 requests
+    speculating = Measurements(AutoConfig(), StepCosts())
+    verified(speculating, [(8, 1.2)] * 20)
+    verified(speculating, [(8, 2.4)] * 4, first_step=20)
+    assert speculating.tokens_per_step == pytest.approx(1.8)
+    # a fallback step ends the probe: the next probe starts afresh
+    measurements.add(_Measured(24, False, 8, 8, 5.0, None))
+    verified(measurements, [(8, 3.0)] * 4, probe=True, first_step=25)
+    assert measurements.tokens_per_step == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize(

@@ -180,3 +180,25 @@ def test_auto_logs_how_it_decides_once_at_start_up(caplog):
     lines = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
     assert len(lines) == 1
     assert "no start-up cost measurement" in lines[0] and "metrics off" in lines[0]
+
+
+def test_steps_are_timed_by_cuda_events_on_a_gpu_and_by_the_host_clock_elsewhere():
+    import torch
+
+    for device in ("cuda:0", "cuda", torch.device("cuda", 1)):
+        assert isinstance(dyn.step_clock(device), dyn.CudaEventClock), device
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        assert isinstance(dyn.step_clock(device), dyn.HostClock), device
+
+
+@pytest.mark.parametrize(("device", "clock"), [("cuda:0", "CudaEventClock"), ("cpu", "HostClock")])
+def test_auto_times_steps_by_the_clock_of_the_target_runners_device(caplog, device, clock):
+    """The host clock on a GPU times launches, not steps (an H200 read 2-4 ms at every batch
+    size, steps took 7-20 ms): a GPU runner's controller must use CUDA events."""
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    w.worker.target_worker.model_runner.device = device
+    with caplog.at_level(logging.INFO):
+        adapter = dyn._adapter_for(w.worker, "v2")
+    assert type(adapter.controller.measurements.clock).__name__ == clock
+    [line] = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
+    assert f"measured online ({clock})" in line

@@ -10,16 +10,21 @@ so speculation resumes without special handling.
 ``--speculative-disable-batch-threshold auto`` (``AutoController``) decides each pure decode
 step by expected goodput at its batch size padded to the CUDA-graph size: speculate iff
 ``tokens_per_step / spec_ms`` beats ``1 / plain_ms`` (tokens per request per ms), where
-``tokens_per_step`` is 1 + the mean accepted drafts of recent verify steps (an EMA; kept while
-in fallback, re-measured by each probe) and the step times come from a cost table
-``{padded bs: (spec ms, fallback ms)}``, interpolated between measured sizes. The other mode
-must win by more than 2 % for ``--speculative-disable-min-dwell-steps`` (default 8)
-consecutive decisions before a switch; ``--speculative-disable-resume-below`` is refused with
-``auto`` (one warning, the feature off). In fallback, one speculative probe step runs after
-16 fallback steps, the gap doubling per probe up to 1024; speculating, one plain probe step
-runs every 1024 steps (the plain cost stays as fresh as the speculative one). Where the table
-lacks a mode's cost at a size, one step of that mode runs every 8 steps until it is known
-("explore").
+``tokens_per_step`` is 1 + the mean accepted drafts per request over the newest verify steps
+that hold at least 64 requests (kept while in fallback, replaced by each probe) and the step
+times come from a cost table ``{padded bs: (spec ms, fallback ms)}``, interpolated between
+measured sizes. The other mode must win by more than 2 % for
+``--speculative-disable-min-dwell-steps`` (default 8) consecutive decisions before a switch;
+switching back at about the same batch size (within 2x) needs 4x as many wins each time it
+happens again (up to 1024x; one time forgiven per 8192 steps without a switch), so a load near
+the crossover does not flap, while a load that moves (2x or more) switches within the dwell
+steps.
+``--speculative-disable-resume-below`` is refused with ``auto`` (one warning, the feature
+off). In fallback, a speculative probe (enough consecutive steps for 32 requests, at most 8)
+runs after 16 fallback steps, the gap doubling per probe up to 1024 and starting again at 16
+when the batch size moves 2x; speculating, one plain probe step runs every 1024 steps (the
+plain cost stays as fresh as the speculative one). Where the table lacks a mode's cost at a
+size, one step of that mode runs every 8 steps until it is known ("explore").
 
 The cost table is not measured at start-up on any release (replaying the speculative graphs
 outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
@@ -210,24 +215,37 @@ class AutoConfig:
 
     ``confirm_steps``: consecutive decisions the other mode must win before a switch (the
     server's ``--speculative-disable-min-dwell-steps``). ``margin``: how much better (relative
-    tok/s) the other mode must be to win one. ``probe_gap`` / ``probe_gap_max``: in fallback,
-    one speculative probe step after this many fallback steps, the gap doubling after each
-    probe (up to the cap) until speculation is back; speculating, one plain probe step every
-    ``probe_gap_max`` steps. ``explore_gap``: while the table has no
-    cost for the other mode at this batch size, one step of it every this many steps.
-    ``sync_every``: rank 0's measurements become every rank's decision inputs at the decode
-    steps that are multiples of this; ``lag_steps``: only steps at least this old are read
-    then (their GPU work is done, so reading their events waits for nothing).
+    tok/s) the other mode must be to win one. ``flap_window`` / ``flap_factor`` /
+    ``flap_max``: a switch back within ``flap_window`` steps of the last switch, at a padded
+    batch size within 2x of that switch's, needs ``confirm_steps * flap_factor ** flaps``
+    wins, ``flaps`` counting such switches in a row (at most ``flap_max``), less one for
+    every ``flap_window`` steps since the last switch. ``probe_gap`` /
+    ``probe_gap_max``: in fallback, a speculative probe after this many fallback steps, the
+    gap doubling after each probe (up to the cap) until speculation is back, and back to
+    ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
+    ``probe_gap_max`` steps. ``probe_requests`` / ``probe_steps_max``: a speculative probe
+    runs consecutive steps until it has verified this many requests, at most that many steps.
+    ``explore_gap``: while the table has no cost for the other mode at this batch size, one
+    step of it every this many steps. ``sync_every``: rank 0's measurements become every
+    rank's decision inputs at the decode steps that are multiples of this; ``lag_steps``: only
+    steps at least this old are read then (their GPU work is done, so reading their events
+    waits for nothing). ``acceptance_requests``: the acceptance is the mean over the newest
+    verify steps that together hold at least this many requests.
     """
 
     confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
     margin: float = 0.02
+    flap_window: int = 8192
+    flap_factor: int = 4
+    flap_max: int = 5
     probe_gap: int = 16
     probe_gap_max: int = 1024
+    probe_requests: int = 32
+    probe_steps_max: int = 8
     explore_gap: int = 8
     sync_every: int = 16
     lag_steps: int = 2
-    acceptance_alpha: float = 0.2
+    acceptance_requests: int = 64
     cost_window: int = 16
 
 
@@ -350,7 +368,11 @@ class GoodputPolicy:
         self._wins = 0
         self._since_probe = 0
         self._probe_gap = self.config.probe_gap_max  # speculating first
+        self._probe_left = 0  # further steps of the speculative probe under way
+        self._gap_padded = 0  # the padded batch size the probe gap grew at
         self._last_explore: dict[tuple[bool, int], int] = {}
+        self._last_switch: tuple[int, int] | None = None  # (step, padded batch size)
+        self._flaps = 0
 
     def adopt(self, snapshot: Snapshot) -> None:
         """Take new measured inputs (call at the same step on every rank)."""
@@ -369,32 +391,59 @@ class GoodputPolicy:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
         step = self.steps
         self.steps += 1
+        padded = padded_batch_size(batch_size, self.graph_sizes)
         estimates = self.estimates(batch_size)
         self.last = estimates
         if estimates is not None and self._other_mode_wins(estimates):
             self._wins += 1
-            if self._wins >= self.config.confirm_steps:
+            if self._wins >= self._wins_needed(padded):
                 self._switch(estimates)
         else:
             self._wins = 0
         run_fallback = self.in_fallback
-        self.last_out_of_mode = True
-        if self._explores(batch_size, step):
+        if self._probe_left > 0 and self.in_fallback:  # the probe under way goes on
+            self._probe_left -= 1
+            run_fallback = False
+        elif self._explores(batch_size, step):
             run_fallback = not self.in_fallback
             self.n_explores += 1
         else:
+            if self.in_fallback and not _same_load(padded, self._gap_padded):
+                self._probe_gap = self.config.probe_gap  # the load moved: probe soon
+                self._since_probe = 0
+            self._gap_padded = padded
             self._since_probe += 1
             if self._since_probe >= self._probe_gap:
                 run_fallback = not self.in_fallback
                 self._since_probe = 0
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
                 self.n_probes += 1
+                if self.in_fallback:
+                    per_step = max(1, batch_size)
+                    wanted = -(-self.config.probe_requests // per_step)
+                    self._probe_left = min(wanted, self.config.probe_steps_max) - 1
         self.last_out_of_mode = run_fallback != self.in_fallback
         if run_fallback:
             self.n_fallback_steps += 1
         else:
             self.n_spec_steps += 1
         return run_fallback
+
+    def _wins_needed(self, padded: int) -> int:
+        """``confirm_steps``, times ``flap_factor ** flaps`` at the load of the last switch."""
+        if not self._at_last_switch_load(padded):
+            return self.config.confirm_steps
+        return self.config.confirm_steps * self.config.flap_factor ** self._recent_flaps()
+
+    def _at_last_switch_load(self, padded: int) -> bool:
+        return self._last_switch is not None and _same_load(padded, self._last_switch[1])
+
+    def _recent_flaps(self) -> int:
+        """The switches back and forth at one load, one forgiven per ``flap_window`` steps."""
+        if self._last_switch is None:
+            return 0
+        quiet = (self.steps - self._last_switch[0]) // self.config.flap_window
+        return max(0, self._flaps - quiet)
 
     def _other_mode_wins(self, est: Estimates) -> bool:
         ahead = 1.0 + self.config.margin
@@ -417,9 +466,14 @@ class GoodputPolicy:
 
     def _switch(self, est: Estimates) -> None:
         before, after = ("fallback", "spec") if self.in_fallback else ("spec", "fallback")
+        flapping = self._at_last_switch_load(est.padded)
+        self._flaps = min(self._recent_flaps() + 1, self.config.flap_max) if flapping else 0
+        self._last_switch = (self.steps, est.padded)
         self.in_fallback = not self.in_fallback
         self._wins = 0
         self._since_probe = 0
+        self._probe_left = 0
+        self._gap_padded = est.padded
         # In fallback: probes from the first gap on; speculating: a plain step now and then
         # keeps the plain cost as fresh as the speculative one (context lengths grow).
         self._probe_gap = self.config.probe_gap if self.in_fallback else self.config.probe_gap_max
@@ -433,6 +487,22 @@ class GoodputPolicy:
                 f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
                 f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
             )
+
+
+def _same_load(padded: int, other: int) -> bool:
+    """Whether two padded batch sizes are within 2x of each other (the same load)."""
+    return other > 0 and padded < 2 * other and other < 2 * padded
+
+
+def step_clock(device: Any) -> HostClock | CudaEventClock:
+    """How ``auto`` times steps on ``device``: CUDA events on a GPU, the host clock elsewhere.
+
+    On a GPU the host clock times the launches, not the step (with the overlap scheduler the
+    host returns before the GPU has run it): an H200 measured 2-4 ms per step at every batch
+    size by the host clock, where the GPU took 7-20 ms.
+    """
+    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    return CudaEventClock() if kind == "cuda" else HostClock()
 
 
 class HostClock:
@@ -476,6 +546,7 @@ class _Measured:
     step: int
     speculative: bool
     padded: int
+    requests: int
     timing: Any
     # Tokens per request of a speculative step, read when resolved (None: a fallback step).
     tokens_per_request: Callable[[], float] | None
@@ -487,15 +558,20 @@ class Measurements:
     """Rank 0's step times and acceptance, turned into a ``Snapshot`` at sync steps.
 
     The first time of each (mode, size) is dropped (it pays one-off compiles and allocator
-    growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is an
-    EMA over the speculative steps of a speculative stretch, kept while in fallback, where
-    each probe re-measures it (replaces it: a probe is rare and averages a large batch).
+    growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is the
+    mean tokens per request over the newest verify steps holding ``acceptance_requests``
+    requests (one step of a large batch, many steps of a small one, so a single step of one
+    request does not decide it), kept while in fallback, where each probe replaces it: the
+    first step of a probe clears what the speculative stretch left.
     """
 
     def __init__(self, config: AutoConfig, clock: Any) -> None:
         self.config = config
         self.clock = clock
         self.tokens_per_step: float | None = None
+        # (tokens, requests) of the newest verify steps, newest last
+        self._verified: collections.deque[tuple[float, int]] = collections.deque()
+        self._in_probe = False
         self._pending: list[_Measured] = []
         self._times: dict[tuple[bool, int], collections.deque[float]] = {}
         self._seen: collections.Counter[tuple[bool, int]] = collections.Counter()
@@ -518,18 +594,27 @@ class Measurements:
                     key, collections.deque(maxlen=self.config.cost_window)
                 )
                 window.append(ms)
-            if measured.tokens_per_request is not None:
-                self._add_acceptance(measured.tokens_per_request(), measured.probe)
+            if measured.tokens_per_request is None:
+                self._in_probe = False  # a fallback step ends a probe
+            else:
+                self._add_acceptance(
+                    measured.tokens_per_request(), measured.requests, measured.probe
+                )
         self._pending = keep
 
-    def _add_acceptance(self, tokens: float, probe: bool) -> None:
-        if tokens <= 0:
+    def _add_acceptance(self, tokens_per_request: float, requests: int, probe: bool) -> None:
+        starts_probe = probe and not self._in_probe
+        self._in_probe = probe
+        if tokens_per_request <= 0 or requests <= 0:
             return
-        alpha = self.config.acceptance_alpha
-        previous = self.tokens_per_step
-        if previous is not None and not probe:
-            tokens = alpha * tokens + (1 - alpha) * previous
-        self.tokens_per_step = tokens
+        if starts_probe:
+            self._verified.clear()
+        self._verified.append((tokens_per_request * requests, requests))
+        # drop the oldest steps the newest ones do without
+        held = sum(n for _, n in self._verified)
+        while held - self._verified[0][1] >= self.config.acceptance_requests:
+            held -= self._verified.popleft()[1]
+        self.tokens_per_step = sum(t for t, _ in self._verified) / held
 
     def snapshot(self) -> Snapshot:
         entries: dict[int, tuple[float | None, float | None]] = {}
@@ -632,6 +717,7 @@ class AutoController:
                 step=self.policy.steps - 1,
                 speculative=speculative,
                 padded=padded_batch_size(batch_size, self.policy.graph_sizes),
+                requests=batch_size,
                 timing=clock.stop(started),
                 tokens_per_request=tokens_per_request if speculative else None,
                 probe=speculative and self.policy.in_fallback,
@@ -1418,13 +1504,15 @@ def _make_controller(
         policy,
         source=source,
         share=share,
+        clock=step_clock(getattr(runner, "device", "cpu")),
         metrics=AutoMetrics.create(args) if source else None,
     )
     config = policy.config
     _rank0_logger(worker)(
         f"[dynspec] auto: each decode step speculates or runs a plain step by expected tok/s "
         f"at its padded batch size (graph sizes {graph_sizes or 'none'}); no start-up cost "
-        f"measurement: speculation first, step costs measured online on TP rank 0 and shared "
+        f"measurement: speculation first, step costs measured online "
+        f"({type(controller.measurements.clock).__name__}) on TP rank 0 and shared "
         f"every {config.sync_every} steps; switch after {config.confirm_steps} consecutive "
         f"wins by > {config.margin:.0%}; metrics {'on' if controller.metrics else 'off'}"
     )
