@@ -1,11 +1,14 @@
 """The envelope table and plot (issue 16) from the kit's envelope results.
 
-usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG]
+usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log AUTO_SERVER_LOG]
   RESULTS_JSON  name -> envelope.py result, as the kit's session writes $OUT/results.json:
                 env-base (plain decoding), env-eagle (unpatched EAGLE-3), env-fixed-T<N> (one
                 per hand-picked T), env-auto (--speculative-disable-batch-threshold auto)
   OUT_SVG       the plot (default: envelope.svg beside RESULTS_JSON): output tok/s against
                 concurrency, one panel per acceptance region, the servers as lines
+  --log         the auto server's log: its ``[dynspec] auto:`` switch lines, laid against the
+                levels' wall-clock spans, give each level's switches and how long after the
+                level's start the first one came (the burst goal: within 2 s each way)
 
 Per region and concurrency c the table shows each server's output tok/s (the mean of its
 repeats), the best fixed T at that c (which T in brackets), auto ÷ max(plain, EAGLE-3) and
@@ -16,10 +19,13 @@ one region stands for all. Standard library only (the SVG is written by hand).
 
 from __future__ import annotations
 
+import calendar
 import json
 import math
+import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +160,41 @@ def correctness(results: dict) -> str:
     return "\n".join(out)
 
 
+SWITCH = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] \[dynspec\] auto: (\w+) -> (\w+) "
+                    r"at decode bs=(\d+)")
+
+
+def switch_times(log_text: str) -> list[tuple[float, str, int]]:
+    """(unix time, new mode, batch size) of each switch line (SGLang logs UTC, to the second)."""
+    out = []
+    for line in log_text.splitlines():
+        m = SWITCH.match(line)
+        if m:
+            when = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+            out.append((float(when), m.group(3), int(m.group(4))))
+    return out
+
+
+def switches_per_level(result: dict, log_text: str) -> str:
+    """Per level: the switches inside its span, and seconds from its start to the first one
+    (the log's one-second resolution: a switch in the level's first second shows as <= 1)."""
+    switches = switch_times(log_text)
+    out = ["| phase | region | c | switches | first switch after the level's start |",
+           "|---|---|---|---|---|"]
+    for level in result.get("levels", []):
+        start, end = level.get("started_unix"), level.get("ended_unix")
+        if start is None or end is None:
+            continue
+        inside = [(t, mode, bs) for t, mode, bs in switches if int(start) <= t < end]
+        first = "–"
+        if inside:
+            t, mode, bs = inside[0]
+            first = f"{math.ceil(max(0.0, t - start) + 1)} s or less (to {mode} at bs {bs})"
+        out.append(f"| {level.get('phase', 'sweep')} | {level['region']} | "
+                   f"{level['concurrency']} | {len(inside)} | {first} |")
+    return "\n".join(out)
+
+
 def svg(results: dict, table: dict[str, list[Row]], title: str) -> str:
     """Output tok/s against concurrency (log2 x axis), one panel per region."""
     pw, ph, ml, mb, mt = 330, 240, 58, 40, 28
@@ -236,6 +277,10 @@ def _escape(text: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    log = None
+    if "--log" in argv:
+        at = argv.index("--log")
+        log, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
     if not argv:
         raise SystemExit(__doc__)
     path = Path(argv[0])
@@ -251,6 +296,9 @@ def main(argv: list[str]) -> None:
     print(goals(table))
     print("\n## Outputs checked against the crafted continuation\n")
     print(correctness(results))
+    if log is not None:
+        print("\n## auto's switches per level\n")
+        print(switches_per_level(results.get(AUTO, {}), log.read_text(errors="replace")))
     title = f"output tok/s vs concurrency, SGLang {args.get('version') or '?'}"
     out_svg.write_text(svg(results, table, title))
     print(f"\nwrote {out_svg}")

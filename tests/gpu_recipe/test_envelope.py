@@ -102,8 +102,8 @@ def test_burst_levels_run_back_to_back_after_the_sweep_with_their_clock_times(cr
                  "--repeats", "1", "--burst", "1,4,1")
     levels = json.loads(out.read_text())["levels"]
     assert [(d["phase"], d["region"], d["concurrency"]) for d in levels] == [
-        ("sweep", "accept0", 2), ("burst", "accept90", 1), ("burst", "accept90", 4),
-        ("burst", "accept90", 1)]
+        ("sweep", "accept0", 2), ("burst", "accept50", 1), ("burst", "accept50", 4),
+        ("burst", "accept50", 1)]
     for before, after in itertools.pairwise(levels):
         assert before["started_unix"] < before["ended_unix"] <= after["started_unix"]
         assert after["started_unix"] - before["ended_unix"] < 0.5  # back to back
@@ -210,3 +210,24 @@ def test_big_weights_go_out_in_shards_with_an_index(tmp_path, monkeypatch):
     monkeypatch.setattr(mkweights, "SHARD_BYTES", 4 << 30)
     mkweights.save_sharded(tensors, str(tmp_path / "one"))
     assert written == {"model.safetensors": list(tensors)}  # the 1b layout, as before
+
+
+def test_switch_lines_are_laid_against_the_levels_they_happened_in():
+    log = "\n".join([
+        "[2026-12-01 18:08:51] [dynspec] auto: spec -> fallback at decode bs=64 (padded 64): x",
+        "[2026-12-01 18:08:52] Decode batch, #running-req: 64",
+        "[2026-12-01 18:09:01] [dynspec] auto: fallback -> spec at decode bs=1 (padded 1): x",
+        "[2026-12-01 18:09:02] [dynspec] spec -> fallback at decode bs=32 (threshold=16, ...)",
+    ])
+    start = 1796148530.4  # 2026-12-01 18:08:50.4 UTC
+    result = {"levels": [
+        {**level("accept50", 64, 1.0), "phase": "burst", "started_unix": start,
+         "ended_unix": start + 4.2},
+        {**level("accept50", 1, 1.0), "phase": "burst", "started_unix": start + 10.2,
+         "ended_unix": start + 14.3},
+    ]}
+    rows = envelope_report.switches_per_level(result, log).splitlines()[2:]
+    assert rows == [
+        "| burst | accept50 | 64 | 1 | 2 s or less (to fallback at bs 64) |",
+        "| burst | accept50 | 1 | 1 | 2 s or less (to spec at bs 1) |",  # a fixed T's line: none
+    ]

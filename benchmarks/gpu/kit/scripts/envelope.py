@@ -2,7 +2,7 @@
 
 usage: python3 envelope.py URL OUT.json NAME [--levels 1,4,16,32,64,128]
            [--regions accept0,accept50,accept90,mix] [--duration 10] [--repeats 2]
-           [--plen 64] [--olen 128] [--burst 1,64,1] [--estimate]
+           [--plen 64] [--olen 128] [--burst 1,64,1] [--burst-region accept50] [--estimate]
 
 The server runs the crafted successor models (crafted.py): a prompt's tokens pick its region, so
 the draft's acceptance is ~0 %, ~50 % or ~90 % ("mix": each client cycles through the three
@@ -10,14 +10,10 @@ regions request by request, so every batch holds all three). For each region and
 closed loop of c clients runs for >= DURATION s (each client sends its next request as its last
 one returns; the requests in flight then finish), REPEATS times in a row, as client.py does.
 Every output is checked against the model's analytic continuation (``mismatched``).
-``--burst`` then runs its levels back to back once more in the accept90 region (``"phase":
-"burst"``): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
+``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
+"burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
+models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
 the server log's switch lines show how long after a load change the controller switched.
-
-Writes the kit's client format (name, url, server_info, effective_args, levels, errors) with
-each level's ``region``; the file is rewritten after every level, so a timeout keeps what ran.
-``--estimate`` prints the expected seconds and exits (run.sh checks them against its deadline);
-the estimate is printed before every sweep too. Standard library only.
 """
 
 from __future__ import annotations
@@ -59,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--olen", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--burst", default="", help="levels run back to back after the sweep")
+    ap.add_argument("--burst-region", default="accept50", choices=REGION_NAMES)
     ap.add_argument("--estimate", action="store_true")
     a = ap.parse_args(argv)
     a.level_list = [int(x) for x in a.levels.split(",") if x]
@@ -187,7 +184,7 @@ def main(argv: list[str]) -> None:
     out["errors"] += [f"warmup: {w['error']}" for w in warm if "error" in w]
     runs = [("sweep", region, conc, rep) for region in a.region_list for conc in a.level_list
             for rep in range(a.repeats)]
-    runs += [("burst", "accept90", conc, 0) for conc in a.burst_list]
+    runs += [("burst", a.burst_region, conc, 0) for conc in a.burst_list]
     for n, (phase, region, conc, rep) in enumerate(runs):
         d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
         d |= {"repeat": rep, "duration_s": a.duration, "phase": phase}
