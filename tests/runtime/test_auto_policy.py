@@ -14,6 +14,7 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     Measurements,
     Snapshot,
     _Measured,
+    _same_load,
     padded_batch_size,
     parse_threshold,
 )
@@ -168,13 +169,13 @@ def test_a_burst_switches_within_the_confirm_steps_each_way():
     assert policy.n_switches == 2
 
 
-def swinging(policy: GoodputPolicy, steps: int, bs: int = 32) -> list[int]:
-    """Acceptance that swings every 600 steps at a load near the crossover (bs 32: plain wins
-    at 2.0 tokens/step, speculation at 3.0); the steps at which the policy switched."""
+def swinging(policy: GoodputPolicy, steps: int, bs: int = 32, stretch: int = 600) -> list[int]:
+    """Acceptance that swings every ``stretch`` steps at a load near the crossover (bs 32: plain
+    wins at 2.0 tokens/step, speculation at 3.0); the steps at which the policy switched."""
     switched_at = []
     for step in range(steps):
-        if step % 600 == 0:
-            policy.adopt(Snapshot(2.0 if step // 600 % 2 == 0 else 3.0, table()))
+        if step % stretch == 0:
+            policy.adopt(Snapshot(2.0 if step // stretch % 2 == 0 else 3.0, table()))
         before = policy.n_switches
         policy.decide(bs)
         if policy.n_switches > before:
@@ -193,6 +194,20 @@ def test_switching_back_and_forth_at_one_load_needs_4x_the_wins_each_time():
     assert len(later) > 2
     assert all(b - a > 8192 for a, b in itertools.pairwise(later))
     assert all(step % 600 == 511 for step in later)
+
+
+def test_the_flap_back_off_stops_at_1024x_the_dwell_steps():
+    """With one dwell step and 3000-step stretches, wins needed grow 1, 1, 4, ... 1024 and stay
+    there: 1024 fits a stretch, so it keeps switching once a stretch (4096 would not)."""
+    policy = policy_with(2.0, confirm_steps=1)
+    switched_at = swinging(policy, 30_000, stretch=3000)
+    assert [step % 3000 for step in switched_at] == [0, 0, 3, 15, 63, 255, 1023, 1023, 1023, 1023]
+
+
+def test_the_same_load_is_within_2x_either_way():
+    assert _same_load(32, 32) and _same_load(33, 17) and _same_load(17, 33)
+    assert not _same_load(64, 32) and not _same_load(32, 64)
+    assert not _same_load(1, 0)  # nothing to compare with: not the same load
 
 
 def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_steps():
