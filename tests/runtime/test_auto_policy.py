@@ -355,17 +355,20 @@ def test_acceptance_is_the_mean_over_the_newest_steps_that_hold_64_requests():
 def test_a_probe_replaces_what_the_speculative_stretch_left():
     measurements = Measurements(AutoConfig(), StepCosts())
     verified(measurements, [(8, 1.2)] * 20)
-    # a probe of 4 steps at bs 8 (32 requests) after the acceptance rose
-    verified(measurements, [(8, 2.4)] * 4, probe=True, first_step=20)
-    assert measurements.tokens_per_step == pytest.approx(2.4)
+    # a probe of 4 steps at bs 8 (32 requests) after the acceptance rose: all 4 count
+    rose = [(8, 2.0), (8, 3.0), (8, 2.0), (8, 3.0)]
+    verified(measurements, rose, probe=True, first_step=20)
+    assert measurements.tokens_per_step == pytest.approx(2.5)
+    verified(measurements, [(8, 0.0)], first_step=24)  # unreadable (0): left out
+    assert measurements.tokens_per_step == pytest.approx(2.5)
     # the same 4 steps while speculating only move the mean of the newest 64 requests
     speculating = Measurements(AutoConfig(), StepCosts())
     verified(speculating, [(8, 1.2)] * 20)
-    verified(speculating, [(8, 2.4)] * 4, first_step=20)
-    assert speculating.tokens_per_step == pytest.approx(1.8)
+    verified(speculating, rose, first_step=20)
+    assert speculating.tokens_per_step == pytest.approx((4 * 1.2 + 4 * 2.5) / 8)
     # a fallback step ends the probe: the next probe starts afresh
-    measurements.add(_Measured(24, False, 8, 8, 5.0, None))
-    verified(measurements, [(8, 3.0)] * 4, probe=True, first_step=25)
+    measurements.add(_Measured(25, False, 8, 8, 5.0, None))
+    verified(measurements, [(8, 3.0)] * 4, probe=True, first_step=26)
     assert measurements.tokens_per_step == pytest.approx(3.0)
 
 
@@ -382,3 +385,151 @@ def test_a_bad_threshold_is_refused_with_one_line(raw):
         parse_threshold(raw)
     assert str(bad.value).startswith("threshold must be an integer 1..65536 or auto, got ")
     assert "\n" not in str(bad.value)
+
+
+def test_a_new_policy_speculates_with_nothing_known_and_needs_one_dwell_step_at_least():
+    policy = GoodputPolicy(AutoConfig(confirm_steps=1), [4, 1, 2, 2])
+    assert policy.graph_sizes == [1, 2, 4]
+    assert policy.last is None and policy.last_out_of_mode is False
+    assert policy.in_fallback is False
+    with pytest.raises(ValueError, match=r"^min_dwell_steps must be >= 1, got 0$"):
+        GoodputPolicy(AutoConfig(confirm_steps=0))
+
+
+def test_a_switch_back_logs_fallback_to_spec():
+    lines: list[str] = []
+    policy = GoodputPolicy(AutoConfig(confirm_steps=1), GRAPH_SIZES, log=lines.append)
+    policy.adopt(Snapshot(2.0, table()))
+    policy.decide(64)  # plain wins at 64
+    policy.decide(1)  # speculation at 1
+    assert [line.split(" at ")[0] for line in lines] == [
+        "[dynspec] auto: spec -> fallback", "[dynspec] auto: fallback -> spec"]
+
+
+def test_in_fallback_speculation_must_win_by_the_margin_too():
+    # bs 64: 48.4 ms speculative, 16.6 ms plain: equal goodput at 48.4 / 16.6 tokens/step
+    even = 48.4 / 16.6
+    policy = policy_with(1.0)
+    for _ in range(8):
+        policy.decide(64)
+    assert policy.in_fallback
+    policy.adopt(Snapshot(even * 1.01, table()))  # 1 % ahead: not enough
+    for _ in range(100):
+        policy.decide(64)
+    assert policy.in_fallback
+    policy.adopt(Snapshot(even * 1.03, table()))
+    for _ in range(8):
+        policy.decide(64)
+    assert not policy.in_fallback
+
+
+def test_after_switching_back_a_plain_probe_comes_after_1024_steps():
+    policy = policy_with(2.0)
+    for _ in range(8):
+        policy.decide(64)
+    assert policy.in_fallback
+    decisions = [policy.decide(1) for _ in range(1100)]
+    back = decisions.index(False)
+    assert not any(decisions[back + 8 : back + 1000])  # speculating: no plain step for 1024
+
+
+def test_in_fallback_an_unknown_speculative_cost_is_explored_per_size():
+    costs = CostTable({64: (30.0, 10.0), 96: (None, 12.0), 128: (None, 14.0)})
+    policy = policy_with(1.0, costs)
+    for _ in range(8):
+        policy.decide(64)
+    assert policy.in_fallback
+    # one speculative step at each new size (their own explore gaps), then plain steps
+    assert [policy.decide(bs) for bs in (128, 96, 128, 96)] == [False, False, True, True]
+
+
+def test_probe_steps_are_marked_out_of_mode_and_decisions_are_booleans():
+    policy = policy_with(1.0)
+    marks = [(policy.decide(4), policy.last_out_of_mode) for _ in range(300)]
+    assert policy.in_fallback
+    after = marks[8:]  # in fallback from the 8th decision on
+    assert all(isinstance(fallback, bool) for fallback, _ in marks)
+    assert all(out is (not fallback) for fallback, out in after)
+    assert sum(out for _, out in after) >= 8  # the probes (8 steps each at bs 4)
+
+
+def test_the_first_time_of_a_size_is_dropped_and_a_cost_is_the_median_of_the_last_16():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    assert measurements.snapshot() == Snapshot(None, CostTable({}))
+
+    def timed(step: int, ms: float, padded: int = 8) -> None:
+        measurements.add(_Measured(step, False, padded, padded, ms, None))
+
+    timed(0, 99.0)  # the first plain step at 8: compiles, dropped
+    measurements.resolve(0)
+    assert measurements.snapshot().table.entries == {}
+    timed(1, 0.5)
+    timed(2, 0.0)  # unreadable: left out
+    timed(3, 0.7)
+    measurements.resolve(3)
+    assert measurements.snapshot().table.entries == {8: (None, 0.7)}  # median of 0.5, 0.7
+    for i in range(30):
+        timed(4 + i, 10.0)
+    for i in range(16):
+        timed(34 + i, 20.0 + i)
+    measurements.resolve(49)
+    assert measurements.snapshot().table.entries[8] == (None, 28.0)  # sorted 20..35, [8]
+    for step, ms in ((50, 5.0), (51, 6.0), (52, 7.0), (53, 8.0), (54, 9.0)):
+        timed(step, ms, 16)
+    measurements.resolve(51)  # up to step 51 inclusive; 52, 53 and 54 stay pending
+    assert measurements.snapshot().table.entries[16] == (None, 6.0)
+    measurements.resolve(54)
+    assert measurements.snapshot().table.entries[16] == (None, 8.0)  # sorted 6 .. 9, [2]
+
+
+class TokenClock:
+    """A clock whose timings name the start they were stopped from; records what is read."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.read: list[int] = []
+
+    def start(self):
+        self.started += 1
+        return ("started", self.started)
+
+    def stop(self, started):
+        assert started[0] == "started"
+        return started[1]
+
+    def elapsed_ms(self, handle):
+        self.read.append(handle)
+        return 5.0
+
+
+def test_a_sync_reads_only_steps_at_least_lag_steps_old_and_only_the_source_rank_times():
+    clock = TokenClock()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True,
+                                clock=clock)
+    for _ in range(17):  # the 17th decision is step 16: a sync, reading steps 0 .. 14
+        controller.decide(8)
+        if controller.policy.steps <= 16:
+            controller.finish_step(controller.start_step(), True, 8, constant(2.0))
+    assert clock.read == list(range(1, 16))
+    assert [m.probe for m in controller.measurements._pending] == [False]  # step 15 is left
+    other = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=False,
+                           clock=TokenClock())
+    other.decide(8)
+    assert other.start_step() is None
+    other.finish_step(None, True, 8, constant(2.0))
+    assert other.measurements._pending == []
+
+
+def test_only_a_speculative_step_in_fallback_is_a_probe():
+    controller = AutoController(policy_with(1.0), source=True, clock=TokenClock())
+    for _ in range(8):
+        controller.decide(64)
+    assert controller.in_fallback
+    controller.finish_step(controller.start_step(), True, 64, constant(2.0))
+    controller.finish_step(controller.start_step(), False, 64)
+    speculating = AutoController(policy_with(2.0), source=True, clock=TokenClock())
+    speculating.decide(8)
+    speculating.finish_step(speculating.start_step(), True, 8, constant(2.0))
+    probes = [m.probe for m in (*controller.measurements._pending,
+                                *speculating.measurements._pending)]
+    assert probes == [True, False, False]

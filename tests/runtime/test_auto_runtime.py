@@ -66,8 +66,11 @@ class ModeCosts:
 
     def start(self):
         self.spec.ran = False
+        self.started = object()
+        return self.started
 
     def stop(self, started):
+        assert started is self.started  # the step's own start
         return 20.0 if self.spec.ran else 10.0
 
     def elapsed_ms(self, handle):
