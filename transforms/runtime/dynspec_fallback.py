@@ -490,8 +490,9 @@ class GoodputPolicy:
 
 
 def _same_load(padded: int, other: int) -> bool:
-    """Whether two padded batch sizes are within 2x of each other (the same load)."""
-    return other > 0 and padded < 2 * other and other < 2 * padded
+    """Whether two padded batch sizes are within 2x of each other (the same load; 0, nothing
+    recorded yet, is no padded size's load)."""
+    return padded < 2 * other and other < 2 * padded
 
 
 def step_clock(device: Any) -> HostClock | CudaEventClock:
@@ -501,7 +502,7 @@ def step_clock(device: Any) -> HostClock | CudaEventClock:
     host returns before the GPU has run it): an H200 measured 2-4 ms per step at every batch
     size by the host clock, where the GPU took 7-20 ms.
     """
-    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    kind = str(device).partition(":")[0]  # "cuda", "cuda:1", torch.device("cuda", 1)
     return CudaEventClock() if kind == "cuda" else HostClock()
 
 
