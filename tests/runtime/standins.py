@@ -701,6 +701,16 @@ class World:
             selected_tokens=result.next_token_ids[select].clone(),
             kwargs={k: v for k, v in args.items() if k not in ("self", "batch", "batch_result")},
         )
+        runner = draft.draft_runner
+        if getattr(runner, "model", None) is not None:  # a draft model: its KV goes to the pool
+            positions = (batch.seq_lens[:, None] + torch.arange(width)).reshape(-1)
+            runner.model.model.forward_draft_extend(
+                result.next_token_ids,
+                positions,
+                result.logits_output.hidden_states,
+                runner.token_to_kv_pool,
+                batch.out_cache_loc,
+            )
         batch.input_ids = result.next_token_ids
         batch.seq_lens = batch.seq_lens + width
         batch.forward_mode = "DRAFT_EXTEND_V2"
@@ -959,3 +969,162 @@ class GrammarTree:
 
     def resolve(self) -> tuple[torch.Tensor, ...]:
         return self._host
+
+
+# -- a one-layer EAGLE-3 draft model and its KV pool ----------------------------------------
+#
+# Written the way SGLang's llama_eagle3.LlamaModel / LlamaDecoderLayer / LlamaAttention and
+# its triton backend run a draft-extend: the attention backend stores K and V (after rotary)
+# at out_cache_loc, then attends. The runtime's draft KV write computes K and V from the same
+# modules on its own path; these forwards are what it must agree with.
+
+DRAFT_HIDDEN = 2  # the draft's width; the target's hidden states (HIDDEN) are 2 aux x 2
+DRAFT_HEADS, DRAFT_KV_HEADS, HEAD_DIM = 2, 1, 2
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, width: int, scale: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((width,), scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotates each (even, odd) pair of q and k by ``position`` radians."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            pairs = x.reshape(x.shape[0], -1, 2)
+            cos = positions.float().cos()[:, None]
+            sin = positions.float().sin()[:, None]
+            even, odd = pairs[..., 0], pairs[..., 1]
+            return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).reshape(
+                x.shape
+            )
+
+        return rotate(q), rotate(k)
+
+
+class RadixAttention:
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.tp_q_head_num, self.tp_k_head_num, self.tp_v_head_num = (
+            DRAFT_HEADS,
+            DRAFT_KV_HEADS,
+            DRAFT_KV_HEADS,
+        )
+        self.qk_head_dim = self.v_head_dim = HEAD_DIM
+        self.k_scale = self.v_scale = None
+        self.sliding_window_size = -1
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, in_width: int) -> None:
+        super().__init__()
+        self.q_size, self.kv_size = DRAFT_HEADS * HEAD_DIM, DRAFT_KV_HEADS * HEAD_DIM
+        self.qkv_proj = torch.nn.Linear(in_width, self.q_size + 2 * self.kv_size, bias=False)
+        self.rotary_emb = RotaryEmbedding()
+        self.attn = RadixAttention(layer_id=0)
+
+    def forward_prepare_native(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, fb: Any) -> Any:
+        q, k, v = self.forward_prepare_native(positions, hidden_states)
+        attn = self.attn
+        fb.pool.set_kv_buffer(
+            attn,
+            fb.out_cache_loc,
+            k.view(-1, attn.tp_k_head_num, attn.qk_head_dim),
+            v.view(-1, attn.tp_v_head_num, attn.v_head_dim),
+        )
+        return q  # what attention returns is not what a KV write is about
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_input_layer = True
+        self.input_layernorm = RMSNorm(DRAFT_HIDDEN, 1.5)
+        self.hidden_norm = RMSNorm(DRAFT_HIDDEN, 0.5)
+        self.self_attn = LlamaAttention(2 * DRAFT_HIDDEN)
+
+    def forward(self, positions, embeds, hidden_states, fb, residual):
+        hidden_states = self.hidden_norm(hidden_states)
+        embeds = self.input_layernorm(embeds)
+        hidden_states = torch.cat([embeds, hidden_states], dim=-1)
+        return self.self_attn(positions, hidden_states, fb), residual
+
+
+class LlamaModel(torch.nn.Module):
+    """llama_eagle3.LlamaModel; ``fc_norm`` / ``input_norm`` as 0.5.12+ / 0.5.17+ add them."""
+
+    def __init__(self, *, fc_norm: bool = False, input_norm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed_tokens = torch.nn.Embedding(VOCAB, DRAFT_HIDDEN)
+        self.num_aux_hidden_states = HIDDEN // DRAFT_HIDDEN
+        self.fc = torch.nn.Linear(HIDDEN, DRAFT_HIDDEN, bias=False)
+        self.fc_norm = (
+            torch.nn.ModuleList(
+                [RMSNorm(DRAFT_HIDDEN, 2.0) for _ in range(self.num_aux_hidden_states)]
+            )
+            if fc_norm
+            else None
+        )
+        self.input_norm = RMSNorm(HIDDEN, 3.0) if input_norm else None
+        self.layers = torch.nn.ModuleList([LlamaDecoderLayer()])
+        self.is_mrope_enabled = False
+
+    def forward_draft_extend(self, input_ids, positions, hidden_states, pool, out_cache_loc):
+        fb = types.SimpleNamespace(pool=pool, out_cache_loc=out_cache_loc)
+        embeds = self.embed_tokens(input_ids.long())
+        if hidden_states.shape[-1] != embeds.shape[-1]:
+            if self.input_norm is not None:
+                hidden_states = self.input_norm(hidden_states)
+            if self.fc_norm is not None:
+                chunks = hidden_states.chunk(self.num_aux_hidden_states, dim=-1)
+                hidden_states = torch.cat(
+                    [norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)],
+                    dim=-1,
+                )
+            hidden_states = self.fc(hidden_states)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, embeds, hidden_states, fb, residual)
+        return hidden_states
+
+
+class MHATokenToKVPool:
+    """SGLang's plain KV pool: one K and one V buffer per layer, indexed by slot."""
+
+    def __init__(self, slots: int = 8192) -> None:
+        self.dtype = self.store_dtype = torch.float32
+        self.k_buffer = [torch.zeros(slots, DRAFT_KV_HEADS, HEAD_DIM)]
+        self.v_buffer = [torch.zeros(slots, DRAFT_KV_HEADS, HEAD_DIM)]
+        self.writes: list[torch.Tensor] = []
+
+    def set_kv_buffer(self, layer: Any, loc: torch.Tensor, cache_k, cache_v) -> None:
+        self.writes.append(loc.clone())
+        self.k_buffer[layer.layer_id][loc] = cache_k.to(self.store_dtype)
+        self.v_buffer[layer.layer_id][loc] = cache_v.to(self.store_dtype)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+
+def give_draft_model(world: World, **model_kwargs: Any) -> Any:
+    """Attach a one-layer EAGLE-3 draft model and a KV pool to ``world``'s draft runner."""
+    runner = world.worker.draft_worker.draft_runner
+    runner.model = types.SimpleNamespace(model=LlamaModel(**model_kwargs))
+    runner.token_to_kv_pool = MHATokenToKVPool()
+    runner.attn_backend = types.SimpleNamespace(dcp_size=1)
+    return runner

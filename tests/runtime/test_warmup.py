@@ -219,6 +219,23 @@ def test_start_up_replays_every_fallback_graph_once_and_logs_one_line(forward_ba
     assert "width-1 draft-extend 4) in " in line.getMessage()
 
 
+def test_the_draft_kv_write_warms_up_at_the_smallest_and_largest_size(
+    forward_batch_info, monkeypatch, caplog
+):
+    """Its eager kernels (a JIT KV store on some releases) compile at start-up, on SGLang's
+    padding slot."""
+    from tests.runtime.standins import give_draft_model
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    pool = give_draft_model(world).token_to_kv_pool
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    assert [loc.tolist() for loc in pool.writes[:2]] == [[0], [0] * max(DECODE_BS)]
+    (line,) = warmup_lines(caplog)
+    assert "width-1 draft-extend 4, draft KV write 2) in " in line.getMessage()
+
+
 def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
     world = warm_world("0.5.12.post1", "v1", batch_size=4)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):

@@ -1261,6 +1261,12 @@ class Adapter:
     # v2: the width-1 draft-extend graphs (None: fallback steps run the N-token one), and why.
     draft_extend_width1: Width1DraftExtend | None = None
     draft_extend_width1_note: str = ""
+    # v2: the draft KV write of fallback steps (None: SGLang's draft-extend), and why.
+    draft_kv_write: DraftKvWrite | None = None
+    draft_kv_write_note: str = ""
+    # v2: the last decode step handed on a stale draft state (a draft KV write step): the next
+    # speculative step must wait for a fallback step that runs SGLang's draft-extend.
+    draft_state_stale: bool = False
     # auto: set while the worker's own speculative step runs inside the hook (re-entry).
     inside_spec_step: bool = False
 
@@ -1604,6 +1610,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     _prepare_decode_graphs(adapter, worker, worker.target_worker)
     if variant == "v2":
         _prepare_draft_extend_width1(adapter, worker)
+        _prepare_draft_kv_write(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
@@ -2084,6 +2091,175 @@ def draft_extend_width1_mode(draft: Any, graphs: Width1DraftExtend) -> Iterator[
 
 
 # --------------------------------------------------------------------------------------------
+# v2: a fallback step writes the draft's KV and runs nothing else of the draft
+# --------------------------------------------------------------------------------------------
+
+# "1" / "0" turn the draft KV write on / off; unset: on where it has run on a GPU (``lever_on``).
+DRAFT_KV_WRITE_ENV = "DYNSPEC_DRAFT_KV_WRITE"
+# The draft KV write's result matches SGLang's draft-extend when no element of K or V differs
+# by more than this fraction of the largest magnitude there (bf16 GEMMs of another shape).
+KV_MATCH_TOLERANCE = 0.02
+
+
+@dataclass
+class DraftKvWrite:
+    """The K and V a one-layer EAGLE-3 draft stores for a fallback step's token, and only that.
+
+    What a draft-extend leaves behind that a later speculative step reads is the draft KV of
+    each position; its attention, MLP, LM head and top-k only serve the next draft, which a
+    fallback step does not make. The draft's only layer takes ``[input_layernorm(embed(token)),
+    hidden_norm(fc(target hidden))]``, so its K and V at a position depend on that position's
+    token and target hidden state alone: computed here with the draft model's own modules and
+    stored with its KV pool's own ``set_kv_buffer``, as its attention backend stores them.
+
+    ``checked`` turns True once a real step's result matched what SGLang's own draft-extend
+    stored for the same rows (``matches``); until then every fallback step runs SGLang's
+    draft-extend, and a mismatch (``broken``) keeps it for the rest of the process.
+    """
+
+    inner: Any  # the draft model's LlamaModel: embed_tokens, fc, its norms, layers
+    layer: Any  # its only decoder layer
+    pool: Any  # the draft runner's token_to_kv_pool
+    checked: bool = False
+    broken: str = ""
+
+    @property
+    def attn(self) -> Any:
+        return self.layer.self_attn.attn
+
+    def compute(self, tokens: Any, hidden: Any, positions: Any) -> tuple[Any, Any]:
+        """(K, V) of the draft's layer for ``tokens`` at ``positions`` after ``hidden``."""
+        import torch
+
+        with torch.no_grad():
+            return self._compute(tokens, hidden, positions)
+
+    def _compute(self, tokens: Any, hidden: Any, positions: Any) -> tuple[Any, Any]:
+        import torch
+
+        inner, layer, attn = self.inner, self.layer, self.attn
+        embeds = inner.embed_tokens(tokens.to(torch.int64))
+        if hidden.shape[-1] != embeds.shape[-1]:  # EAGLE-3: the target's auxiliary states
+            if getattr(inner, "input_norm", None) is not None:
+                hidden = inner.input_norm(hidden)
+            fc_norm = getattr(inner, "fc_norm", None)
+            if fc_norm is not None:
+                chunks = hidden.chunk(len(fc_norm), dim=-1)
+                normed = [norm(c) for norm, c in zip(fc_norm, chunks, strict=True)]
+                hidden = torch.cat(normed, dim=-1)
+            hidden = inner.fc(hidden)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        _, k, v = layer.self_attn.forward_prepare_native(positions.to(torch.int64), x)
+        return (
+            k.view(-1, attn.tp_k_head_num, attn.qk_head_dim),
+            v.view(-1, attn.tp_v_head_num, attn.v_head_dim),
+        )
+
+    def write(self, tokens: Any, hidden: Any, positions: Any, loc: Any) -> None:
+        k, v = self.compute(tokens, hidden, positions)
+        self.pool.set_kv_buffer(self.attn, loc, k, v)
+
+    def matches(self, k: Any, v: Any, loc: Any) -> tuple[bool, str]:
+        """Whether the pool holds (``k``, ``v``) at ``loc``, and the largest differences.
+
+        One host sync: called once per process, on the step that checks the write.
+        """
+        layer_id = self.attn.layer_id
+        stored = (
+            self.pool.get_key_buffer(layer_id)[loc],
+            self.pool.get_value_buffer(layer_id)[loc],
+        )
+        ok, parts = True, []
+        for name, mine, theirs in (("K", k, stored[0]), ("V", v, stored[1])):
+            mine, theirs = mine.float(), theirs.reshape(mine.shape).float()
+            diff = float((mine - theirs).abs().max())
+            scale = float(theirs.abs().max())
+            ok = ok and diff <= KV_MATCH_TOLERANCE * scale
+            parts.append(f"max |d{name}| {diff:.3g} of {scale:.3g}")
+        return ok, ", ".join(parts)
+
+
+def draft_kv_write_for(draft_runner: Any) -> tuple[DraftKvWrite | None, str]:
+    """The draft KV write for this draft model runner, or (None, why) where it cannot be exact.
+
+    Only a one-layer draft whose K and V its own modules compute from the token and the
+    target's hidden state (no multimodal rotary positions), stored unscaled in a plain MHA KV
+    pool of the model's dtype, without decode-context parallelism.
+    """
+    model = getattr(draft_runner, "model", None)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None:
+        return None, "the draft model has no model.layers"
+    if len(layers) != 1:
+        return None, f"the draft has {len(layers)} layers (a later layer's KV needs attention)"
+    layer = layers[0]
+    missing = [
+        name
+        for owner, name in (
+            (inner, "embed_tokens"),
+            (inner, "fc"),
+            (layer, "input_layernorm"),
+            (layer, "hidden_norm"),
+            (getattr(layer, "self_attn", None), "forward_prepare_native"),
+            (getattr(layer, "self_attn", None), "attn"),
+        )
+        if not hasattr(owner, name)
+    ]
+    if missing:
+        return None, "the draft model lacks " + ", ".join(missing)
+    if not getattr(layer, "is_input_layer", True):
+        return None, "the draft's layer does not take the target's hidden state"
+    if getattr(inner, "is_mrope_enabled", False):
+        return None, "the draft uses multimodal rotary positions"
+    attn = layer.self_attn.attn
+    if getattr(attn, "k_scale", None) is not None or getattr(attn, "v_scale", None) is not None:
+        return None, "the draft's KV cache is scaled"
+    pool = getattr(draft_runner, "token_to_kv_pool", None)
+    if type(pool).__name__ != "MHATokenToKVPool":
+        return None, f"the draft KV pool is {type(pool).__name__}, not MHATokenToKVPool"
+    if getattr(pool, "store_dtype", None) != getattr(pool, "dtype", None):
+        return None, "the draft KV pool stores another dtype than it computes"
+    if int(getattr(getattr(draft_runner, "attn_backend", None), "dcp_size", 1) or 1) > 1:
+        return None, "decode-context parallelism splits the draft KV"
+    return DraftKvWrite(inner, layer, pool), ""
+
+
+def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
+    """Find the draft KV write once per process (checked later, at its first real step)."""
+    if not lever_on(DRAFT_KV_WRITE_ENV, False):
+        adapter.draft_kv_write_note = f"off ({DRAFT_KV_WRITE_ENV}=1 turns it on)"
+        return
+    kv_write, why = draft_kv_write_for(worker.draft_worker.draft_runner)
+    tp_group = getattr(worker.draft_worker.draft_runner, "tp_group", None)
+    if not _all_ranks_agree(tp_group, kv_write is not None) and kv_write is not None:
+        kv_write, why = None, "another TP rank cannot use it"
+    if kv_write is None:
+        adapter.draft_kv_write_note = f"SGLang's draft-extend ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] draft KV write not used: {why}; fallback steps run SGLang's draft-extend"
+        )
+        return
+    adapter.draft_kv_write = kv_write
+    adapter.draft_kv_write_note = "draft KV write (checked at the first fallback step)"
+
+
+def _draft_state_stub(draft_input: Any) -> tuple[Any, Any, Any] | None:
+    """The (topk_p, topk_index, hidden_states) a KV-write step hands on, or None: not possible.
+
+    The step's incoming ones: the right shapes for the scheduler's filter, merge and overlap
+    buffers, never drafted from (``Adapter.draft_state_stale``). None where the draft input
+    lacks one, or carries draft state this runtime does not hand on (rejection sampling's
+    ``draft_probs``, DSA's ``dsa_topk_indices``).
+    """
+    for extra in ("draft_probs", "dsa_topk_indices"):
+        if getattr(draft_input, extra, None) is not None:
+            return None
+    stub = tuple(getattr(draft_input, n, None) for n in ("topk_p", "topk_index", "hidden_states"))
+    return None if any(t is None for t in stub) else stub  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
 # Warm-up at start-up: what the first real replays would compile, compiled before them
 # --------------------------------------------------------------------------------------------
 
@@ -2271,6 +2447,20 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             ("width-1 draft-extend", functools.partial(replay_extend, bs))
             for bs in warmup_order(width1.batch_sizes)
         ]
+    kv_write = adapter.draft_kv_write
+    if kv_write is not None:
+        draft = worker.draft_worker
+        fc = kv_write.inner.fc
+
+        def write_kv(bs: int) -> None:
+            rows = torch.zeros(bs, dtype=torch.int64, device=fc.weight.device)  # slot 0: padding
+            hidden = torch.zeros(bs, fc.in_features, dtype=fc.weight.dtype, device=rows.device)
+            with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
+                kv_write.write(rows, hidden, rows, rows)
+
+        sizes = adapter.decode_graphs.batch_sizes if adapter.decode_graphs else []
+        for bs in sorted({1, *sizes[-1:]}):
+            replays.append(("draft KV write", functools.partial(write_kv, bs)))
     return replays
 
 
@@ -2314,7 +2504,7 @@ def _warmup_budget() -> float:
 def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     """Replay each graph a fallback step uses once, at start-up (bounded; one log line)."""
     if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
-        return
+        return  # nothing replays, and a draft KV write alone runs no graph
     runners = [g.runner for g in (adapter.decode_graphs, adapter.draft_extend_width1) if g]
     if not lever_on(WARMUP_ENV, all(replays_with_replay(type(r)) for r in runners)):
         return  # by default only where its replays have run on a GPU (SGLang <= 0.5.13)
@@ -2769,20 +2959,28 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     stride = int(worker.speculative_num_draft_tokens)
     if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
         return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
+    on_publish, grammar_barrier = kwargs.get("on_publish"), kwargs.get("grammar_barrier")
     if not _decide(adapter, batch):
-        return _auto_spec_step(worker, adapter, batch, kwargs)
+        if not adapter.draft_state_stale:
+            return _auto_spec_step(worker, adapter, batch, kwargs)
+        # The last step handed on no draft state to draft from: one more fallback step, with
+        # SGLang's draft-extend (not timed: it is neither kind of step auto measures).
+        return _v2_step(worker, adapter, batch, on_publish, grammar_barrier, full_draft=True)
     started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
-    result = _v2_step(
-        worker, adapter, batch, kwargs.get("on_publish"), kwargs.get("grammar_barrier")
-    )
+    result = _v2_step(worker, adapter, batch, on_publish, grammar_barrier)
     adapter.profiler.finish()
     _auto_finish(adapter, started, len(batch.seq_lens))
     return result
 
 
 def _v2_step(
-    worker: Any, adapter: Adapter, batch: Any, on_publish: Any, grammar_barrier: Any = None
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    on_publish: Any,
+    grammar_barrier: Any = None,
+    full_draft: bool = False,
 ) -> Any:
     import torch
 
@@ -2837,7 +3035,8 @@ def _v2_step(
     width1 = adapter.draft_extend_width1
     if width1 is not None and not width1.covers(bs):
         width1 = None
-    out_stride = 1 if width1 is not None and adapter.names["gbr_stride"] is not None else stride
+    narrow_draft = width1 is not None or adapter.draft_kv_write is not None
+    out_stride = 1 if narrow_draft and adapter.names["gbr_stride"] is not None else stride
     tokens = predict if out_stride == 1 else _rows_padded(predict, stride)
     if batch.return_logprob:
         _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
@@ -2857,10 +3056,87 @@ def _v2_step(
         on_publish(new_seq_lens)
     adapter.profiler.mark("pad_result")
 
-    # 4) draft KV sync: the width-1 draft-extend, else the N-token one (only row i*N is real)
-    phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
+    # 4) draft KV sync: the draft KV write alone, or SGLang's draft-extend (width-1, else the
+    #    N-token one, where only row i*N is real)
+    phase = _v2_draft(
+        worker, adapter, batch, result, draft_input, slots, predict, hidden, width1, full_draft
+    )
     adapter.profiler.mark(phase)
     return result
+
+
+def _v2_draft(
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    result: Any,
+    draft_input: Any,
+    slots: Any,
+    predict: Any,
+    hidden: Any,
+    width1: Width1DraftExtend | None,
+    full_draft: bool,
+) -> str:
+    """The draft's part of a fallback step; the phase it ran.
+
+    Once checked, the draft KV write alone: the next draft input gets the incoming draft state
+    (never drafted from; ``draft_state_stale``). Else, and always where ``full_draft`` (the
+    step before speculation resumes), SGLang's draft-extend; the first step that could use an
+    unchecked write computes its K and V first and compares them with what SGLang stored.
+    """
+    kv_write = adapter.draft_kv_write
+    stub = None
+    if kv_write is not None and not kv_write.broken and not full_draft:
+        stub = _draft_state_stub(draft_input)
+    loc = slots[:, 0].contiguous()
+    tp = _v2_draft_tp(adapter, worker.draft_worker)
+    if kv_write is not None and stub is not None and kv_write.checked:
+        with _draft_contexts(adapter, *tp):
+            kv_write.write(predict, hidden, batch.seq_lens, loc)
+        next_input = result.next_draft_input
+        next_input.topk_p, next_input.topk_index, next_input.hidden_states = stub
+        batch.input_ids, batch.out_cache_loc = predict, loc  # as SGLang's prepare leaves them
+        adapter.draft_state_stale = True
+        return "draft_kv_write"
+    mine = None
+    if kv_write is not None and stub is not None:
+        with _draft_contexts(adapter, *tp):
+            mine = kv_write.compute(predict, hidden, batch.seq_lens)
+    phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
+    adapter.draft_state_stale = False
+    if kv_write is not None and mine is not None:
+        _check_draft_kv_write(worker, adapter, kv_write, mine, loc)
+    return phase
+
+
+def _check_draft_kv_write(
+    worker: Any, adapter: Adapter, kv_write: DraftKvWrite, mine: tuple[Any, Any], loc: Any
+) -> None:
+    """Compare the draft KV write with what SGLang's draft-extend just stored (once; one
+    host sync and, with TP, one CPU all-reduce); every rank keeps or drops it together."""
+    try:
+        ok, detail = kv_write.matches(*mine, loc)
+    except Exception as exc:  # cannot read the pool back: stay with the draft-extend
+        ok, detail = False, f"reading the KV pool back raised {type(exc).__name__}: {exc}"
+    tp_group = getattr(worker.draft_worker.draft_runner, "tp_group", None)
+    if not _all_ranks_agree(tp_group, ok) and ok:
+        ok, detail = False, f"{detail}; another TP rank's differed"
+    bs = int(loc.shape[0])
+    if ok:
+        kv_write.checked = True
+        adapter.draft_kv_write_note = f"draft KV write (checked at bs {bs}: {detail})"
+        _rank0_logger(worker)(
+            f"[dynspec] draft KV write matches SGLang's draft-extend at bs={bs} ({detail}): "
+            "fallback steps now write the draft KV only; the step before speculation resumes "
+            "runs the draft-extend"
+        )
+        return
+    kv_write.broken = detail
+    adapter.draft_kv_write_note = f"SGLang's draft-extend (the draft KV write differed: {detail})"
+    _rank0_logger(worker, logging.WARNING)(
+        f"[dynspec] draft KV write differs from SGLang's draft-extend at bs={bs} ({detail}); "
+        "fallback steps keep SGLang's draft-extend"
+    )
 
 
 def _host_seq_lens_sum(batch: Any, seq_lens_cpu: Any, extra: int) -> int | None:

@@ -1,0 +1,334 @@
+"""The draft KV write of v2 fallback steps, against a one-layer EAGLE-3 stand-in draft model.
+
+The stand-in model (``standins.LlamaModel``) runs a draft-extend the way SGLang's
+``llama_eagle3`` does and stores K and V through its KV pool; the runtime's write computes them
+from the same modules on its own path. A fallback step may write the draft KV alone only once a
+real step showed both agree, and the step before speculation resumes runs the draft-extend.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import pytest
+
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+
+pytestmark = pytest.mark.torch
+
+N = 4  # speculative_num_draft_tokens of the stand-in server
+RELEASES = ["0.5.12.post1", "0.5.13.post1", "0.5.17", "0.5.23"]
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    from tests.runtime.standins import read_shape
+
+    return {v: read_shape(v, "v2") for v in RELEASES}
+
+
+@pytest.fixture(autouse=True)
+def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+
+
+def draft_state(batch: Any) -> None:
+    """The draft state a decode batch carries (a prefill's or the last step's draft-extend)."""
+    import torch
+
+    bs = len(batch.seq_lens)
+    batch.spec_info.topk_p = torch.ones(bs, 1)
+    batch.spec_info.topk_index = torch.arange(bs)[:, None] + 7
+    batch.spec_info.hidden_states = torch.full((bs, 2), 0.25)
+
+
+def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any) -> Any:
+    from tests.runtime.standins import World, give_draft_model
+
+    kwargs.setdefault("threshold", 2)
+    world = World(
+        shapes[version],
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=N,
+        speculative_disable_min_dwell_steps=1,
+        **kwargs,
+    )
+    if width1:
+        draft = world.worker.draft_worker
+        draft.cuda_graph_runner_for_draft_extend = "n-token-graphs"
+        draft.draft_extend_attn_backend = "n-token-backend"
+        world.server_args.cuda_graph_bs = [1, 2, 4, 8]
+    give_draft_model(world)
+    draft_state(world.batch)
+    return world
+
+
+def step(world: Any, bs: int, seq_len: int) -> Any:
+    world.batch = world._make_batch(bs, seq_len, 100)
+    draft_state(world.batch)
+    return dyn.maybe_fallback_v2(world.worker, world.batch)
+
+
+def extends(world: Any) -> list[dict[str, Any]]:
+    return [data for name, data in world.recorder.events if name == "draft_extend_v2"]
+
+
+def reference_kv(world: Any, seq_len: int, bs: int) -> tuple[Any, Any, Any]:
+    """(slots, K, V) the stand-in model's own draft-extend stores for a fallback step's row."""
+    import torch
+
+    from tests.runtime.standins import MHATokenToKVPool, target_hidden, target_logits
+
+    batch = world._make_batch(bs, seq_len, 100)
+    roots = batch.spec_info.bonus_tokens if hasattr(batch.spec_info, "bonus_tokens") else None
+    if roots is None:
+        roots = batch.spec_info.verified_id
+    predicted = target_logits(roots).argmax(-1)
+    slots = world.req_to_token[batch.req_pool_indices, seq_len].to(torch.int64)
+    pool = MHATokenToKVPool()
+    model = world.worker.draft_worker.draft_runner.model.model
+    model.forward_draft_extend(predicted, batch.seq_lens, target_hidden(roots), pool, slots)
+    return slots, pool.k_buffer[0][slots], pool.v_buffer[0][slots]
+
+
+def stored(world: Any, slots: Any) -> tuple[Any, Any]:
+    pool = world.worker.draft_worker.draft_runner.token_to_kv_pool
+    return pool.k_buffer[0][slots], pool.v_buffer[0][slots]
+
+
+# -- the fallback steps ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, version, caplog):
+    import torch
+
+    world = make_world(shapes, version)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)  # checks the write against SGLang's draft-extend
+        result = step(world, 3, 11)  # writes the KV alone
+
+    assert len(extends(world)) == 1
+    assert "draft KV write matches SGLang's draft-extend at bs=3" in caplog.text
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+    assert k.abs().sum() > 0  # the row was written, not left at zero
+    # The draft state handed on is the incoming one (never drafted from).
+    next_input = result.next_draft_input
+    assert next_input.topk_p is world.batch.spec_info.topk_p
+    assert next_input.topk_index is world.batch.spec_info.topk_index
+    assert next_input.hidden_states is world.batch.spec_info.hidden_states
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_state_stale
+    assert world.batch.out_cache_loc.tolist() == slots.tolist()
+
+
+def test_the_checked_step_matches_and_a_changed_model_is_refused_at_once(shapes, caplog):
+    """The check compares the write with what the release's own draft-extend stored: a model
+    whose KV depends on something the write leaves out (here: a shift of the embeddings) fails
+    it, and every later step keeps SGLang's draft-extend."""
+    world = make_world(shapes, "0.5.17")
+    layer = world.worker.draft_worker.draft_runner.model.model.layers[0]
+    real_forward = layer.forward
+
+    def with_shifted_embeddings(positions, embeds, hidden_states, fb, residual):
+        return real_forward(positions, embeds + 0.3, hidden_states, fb, residual)
+
+    layer.forward = with_shifted_embeddings
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+        step(world, 3, 12)
+
+    assert len(extends(world)) == 3
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "draft KV write" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "draft KV write differs" in warnings[0], warnings
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_kv_write.broken and not adapter.draft_kv_write.checked
+    assert not adapter.draft_state_stale
+
+
+@pytest.mark.parametrize(("fc_norm", "input_norm"), [(True, False), (False, True), (True, True)])
+def test_the_write_follows_the_draft_models_own_norms(shapes, fc_norm, input_norm):
+    import torch
+
+    from tests.runtime.standins import LlamaModel
+
+    world = make_world(shapes, "0.5.23")
+    runner = world.worker.draft_worker.draft_runner
+    runner.model.model = LlamaModel(fc_norm=fc_norm, input_norm=input_norm)
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == 1
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+
+
+def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)  # fallback: checked, draft-extend
+        step(world, 3, 11)  # fallback: KV write
+        resumed = step(world, 1, 12)  # the controller says speculate: one more fallback step
+        speculated = step(world, 1, 13)
+
+    assert "fallback -> spec at decode bs=1" in caplog.text
+    assert resumed is not None  # a fallback step ran, with the draft-extend
+    assert [len(e["seq_lens"]) for e in extends(world)] == [3, 1]
+    assert torch_equal_tokens(resumed, world)
+    assert speculated is None  # the worker's own speculative step
+    assert not dyn._adapters[type(world.worker)].draft_state_stale
+
+
+def torch_equal_tokens(result: Any, world: Any) -> bool:
+    """The resumed step's draft input is the one its draft-extend filled (not a stub)."""
+    (_, last) = extends(world)
+    import torch
+
+    return torch.equal(result.next_draft_input.hidden_states, last["selected_hidden"])
+
+
+def test_a_width1_server_also_writes_the_kv_alone_once_checked(shapes):
+    import torch
+
+    world = make_world(shapes, "0.5.12.post1", width1=True)
+    step(world, 3, 10)
+    result = step(world, 3, 11)
+    assert [e["width"] for e in extends(world)] == [1]
+    assert result.speculative_num_draft_tokens == 1  # unpadded: nothing reads row i * N
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+
+
+def test_a_draft_input_without_draft_state_keeps_the_draft_extend(shapes):
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)
+    world.batch = world._make_batch(3, 11, 100)
+    draft_state(world.batch)
+    world.batch.spec_info.topk_p = None
+    dyn.maybe_fallback_v2(world.worker, world.batch)
+    assert len(extends(world)) == 2
+    assert not dyn._adapters[type(world.worker)].draft_state_stale
+
+
+def test_rejection_sampling_draft_probs_keep_the_draft_extend(shapes):
+    import torch
+
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)
+    world.batch = world._make_batch(3, 11, 100)
+    draft_state(world.batch)
+    world.batch.spec_info.draft_probs = torch.ones(3, 16)
+    dyn.maybe_fallback_v2(world.worker, world.batch)
+    assert len(extends(world)) == 2
+
+
+@pytest.mark.parametrize("value", ["0", None])
+def test_off_unless_turned_on(shapes, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(dyn.DRAFT_KV_WRITE_ENV)
+    else:
+        monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, value)
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == 2
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_kv_write is None
+    assert adapter.draft_kv_write_note.startswith("off (DYNSPEC_DRAFT_KV_WRITE=1")
+
+
+# -- what the write is used for --------------------------------------------------------------
+
+
+def _runner(**changes: Any) -> Any:
+    from tests.runtime.standins import LlamaModel, MHATokenToKVPool
+
+    model = LlamaModel()
+    runner = types.SimpleNamespace(
+        model=types.SimpleNamespace(model=model),
+        token_to_kv_pool=MHATokenToKVPool(),
+        attn_backend=types.SimpleNamespace(dcp_size=1),
+    )
+    for change, value in changes.items():
+        if change == "layers":
+            model.layers.append(model.layers[0])
+        elif change == "no_hidden_norm":
+            del model.layers[0].hidden_norm
+        elif change == "mrope":
+            model.is_mrope_enabled = True
+        elif change == "k_scale":
+            model.layers[0].self_attn.attn.k_scale = 0.5
+        elif change == "pool":
+            runner.token_to_kv_pool = type("SWAKVPool", (), {})()
+        elif change == "store_dtype":
+            import torch
+
+            runner.token_to_kv_pool.store_dtype = torch.uint8
+        elif change == "dcp":
+            runner.attn_backend.dcp_size = value
+        elif change == "later_layer":
+            model.layers[0].is_input_layer = False
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"layers": True}, "the draft has 2 layers"),
+        ({"no_hidden_norm": True}, "the draft model lacks hidden_norm"),
+        ({"mrope": True}, "multimodal rotary positions"),
+        ({"k_scale": True}, "the draft's KV cache is scaled"),
+        ({"pool": True}, "the draft KV pool is SWAKVPool"),
+        ({"store_dtype": True}, "stores another dtype"),
+        ({"dcp": 2}, "decode-context parallelism"),
+        ({"later_layer": True}, "does not take the target's hidden state"),
+    ],
+)
+def test_drafts_whose_kv_the_write_cannot_reproduce_are_refused(change, reason):
+    kv_write, why = dyn.draft_kv_write_for(_runner(**change))
+    assert kv_write is None and reason in why
+
+
+def test_a_plain_one_layer_draft_is_taken():
+    kv_write, why = dyn.draft_kv_write_for(_runner())
+    assert kv_write is not None and why == ""
+    why = dyn.draft_kv_write_for(types.SimpleNamespace())[1]
+    assert why == "the draft model has no model.layers"
+
+
+def test_refused_draft_logs_once_and_keeps_the_draft_extend(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    world.worker.draft_worker.draft_runner.model.model.is_mrope_enabled = True
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+    assert len(extends(world)) == 2
+    warnings = [r.getMessage() for r in caplog.records if "draft KV write" in r.getMessage()]
+    assert len(warnings) == 1 and "multimodal rotary positions" in warnings[0]
+
+
+def test_matches_tolerates_bf16_rounding_only():
+    import torch
+
+    from tests.runtime.standins import MHATokenToKVPool
+
+    kv_write, _ = dyn.draft_kv_write_for(_runner())
+    pool: MHATokenToKVPool = kv_write.pool
+    loc = torch.tensor([5, 6])
+    k = torch.tensor([[[1.0, -2.0]], [[0.5, 4.0]]])
+    v = torch.tensor([[[3.0, 1.0]], [[-1.0, 2.0]]])
+    pool.k_buffer[0][loc], pool.v_buffer[0][loc] = k * 1.01, v
+    assert kv_write.matches(k, v, loc)[0]  # 1 % of the values: rounding
+    pool.k_buffer[0][loc] = k * 1.05
+    ok, detail = kv_write.matches(k, v, loc)
+    assert not ok and "max |dK| 0.2 of 4.2" in detail
