@@ -985,7 +985,8 @@ DRAFT_HEADS, DRAFT_KV_HEADS, HEAD_DIM = 2, 1, 2
 class RMSNorm(torch.nn.Module):
     def __init__(self, width: int, scale: float) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.full((width,), scale))
+        # Uneven weights: a norm that only rescaled a row would vanish in the next norm.
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width) * scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
@@ -1111,8 +1112,8 @@ class MHATokenToKVPool:
 
     def set_kv_buffer(self, layer: Any, loc: torch.Tensor, cache_k, cache_v) -> None:
         self.writes.append(loc.clone())
-        self.k_buffer[layer.layer_id][loc] = cache_k.to(self.store_dtype)
-        self.v_buffer[layer.layer_id][loc] = cache_v.to(self.store_dtype)
+        self.k_buffer[layer.layer_id][loc] = cache_k.detach().to(self.store_dtype)
+        self.v_buffer[layer.layer_id][loc] = cache_v.detach().to(self.store_dtype)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

@@ -274,6 +274,10 @@ def _runner(**changes: Any) -> Any:
             import torch
 
             runner.token_to_kv_pool.store_dtype = torch.uint8
+        elif change == "quantized":
+            runner.token_to_kv_pool.is_quantized_kv_cache = True
+        elif change == "hnd":
+            runner.token_to_kv_pool.use_hnd = True
         elif change == "dcp":
             runner.attn_backend.dcp_size = value
         elif change == "later_layer":
@@ -290,6 +294,8 @@ def _runner(**changes: Any) -> Any:
         ({"k_scale": True}, "the draft's KV cache is scaled"),
         ({"pool": True}, "the draft KV pool is SWAKVPool"),
         ({"store_dtype": True}, "stores another dtype"),
+        ({"quantized": True}, "stores another dtype"),
+        ({"hnd": True}, "laid out by page (HND)"),
         ({"dcp": 2}, "decode-context parallelism"),
         ({"later_layer": True}, "does not take the target's hidden state"),
     ],

@@ -2218,8 +2218,12 @@ def draft_kv_write_for(draft_runner: Any) -> tuple[DraftKvWrite | None, str]:
     pool = getattr(draft_runner, "token_to_kv_pool", None)
     if type(pool).__name__ != "MHATokenToKVPool":
         return None, f"the draft KV pool is {type(pool).__name__}, not MHATokenToKVPool"
-    if getattr(pool, "store_dtype", None) != getattr(pool, "dtype", None):
+    if getattr(pool, "is_quantized_kv_cache", False) or (
+        getattr(pool, "store_dtype", None) != getattr(pool, "dtype", None)
+    ):
         return None, "the draft KV pool stores another dtype than it computes"
+    if getattr(pool, "use_hnd", False):
+        return None, "the draft KV pool is laid out by page (HND)"
     if int(getattr(getattr(draft_runner, "attn_backend", None), "dcp_size", 1) or 1) > 1:
         return None, "decode-context parallelism splits the draft KV"
     return DraftKvWrite(inner, layer, pool), ""
