@@ -146,3 +146,32 @@ def test_fallback_step_reads_nothing_back_from_the_device(trap, version, host_co
     vi = world.recorder.get("sample")["vi"]
     if hasattr(vi, "seq_lens_sum"):
         assert vi.seq_lens_sum == (None if expected_sum is None else expected_sum - 3)
+
+
+@pytest.mark.parametrize("version", ["0.5.12.post1", "0.5.17"])
+def test_a_draft_kv_write_step_reads_nothing_back_from_the_device(trap, version, monkeypatch):
+    """Only the one step that checks the write reads the KV pool back; every later one is
+    sync-free."""
+    import torch
+
+    from tests.runtime.standins import give_draft_model
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    world = graphs_world(version)
+    give_draft_model(world)
+
+    def with_draft_state(seq_len: int) -> Any:
+        world.batch = world._make_batch(3, seq_len, 100)
+        spec = world.batch.spec_info
+        spec.topk_p, spec.topk_index = torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64)
+        spec.hidden_states = torch.zeros(3, 2)
+        return world.batch
+
+    assert dyn.maybe_fallback_v2(world.worker, with_draft_state(10)) is not None  # the check
+    assert dyn._adapters[type(world.worker)].draft_kv_write.checked
+    batch = with_draft_state(11)
+    on_device(world, trap)
+    with armed(trap):
+        result = dyn.maybe_fallback_v2(world.worker, batch)
+    assert result is not None
+    assert len([n for n in world.recorder.names() if n == "draft_extend_v2"]) == 1
