@@ -118,6 +118,28 @@ TARGETS: dict[str, Target] = {
             "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
             "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
             "them on real SGLang)"),
+    "draft_kv_write": Target(
+        RUNTIME,
+        ("tests/runtime/test_draft_kv_write.py", "tests/runtime/test_no_host_sync.py",
+         "tests/runtime/test_warmup.py"),
+        functions=(
+            *_methods("DraftKvWrite", "compute", "_compute", "write", "matches"),
+            "x_draft_kv_write_for", "x__prepare_draft_kv_write", "x__draft_state_stub",
+            "x__v2_draft", "x__check_draft_kv_write",
+        ),
+        equivalent=(
+            *(("xǁDraftKvWriteǁ_compute", piece, "the tensors are 2-D (rows, width): dim 1 "
+               "and shape[1] are dim -1 and shape[-1]")
+              for piece in ("dim=+1", "hidden.shape[+1]", "embeds.shape[+1]")),
+            *(("xǁDraftKvWriteǁ_compute", piece, "the hidden state is cut into as many chunks "
+               "as there are fc norms: zip pairs them all, strict or not")
+              for piece in ("strict=None", "strict=False", "zip(fc_norm, chunks, )")),
+            ("x__v2_draft", "draft_state_stale = None", "None and False are both false"),
+            ("x__prepare_draft_kv_write", "DRAFT_KV_WRITE_ENV, None)", "lever_on reads the "
+             "default as a truth value: None and False are both false"),
+        ),
+        why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
+            "the check against SGLang's draft-extend, the draft state it hands on"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",

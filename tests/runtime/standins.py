@@ -1085,10 +1085,10 @@ class LlamaModel(torch.nn.Module):
     def forward_draft_extend(self, input_ids, positions, hidden_states, pool, out_cache_loc):
         fb = types.SimpleNamespace(pool=pool, out_cache_loc=out_cache_loc)
         embeds = self.embed_tokens(input_ids.long())
-        if hidden_states.shape[-1] != embeds.shape[-1]:
-            if self.input_norm is not None:
+        if hidden_states.shape[-1] != embeds.shape[-1]:  # (0.5.10 has neither norm)
+            if getattr(self, "input_norm", None) is not None:
                 hidden_states = self.input_norm(hidden_states)
-            if self.fc_norm is not None:
+            if getattr(self, "fc_norm", None) is not None:
                 chunks = hidden_states.chunk(self.num_aux_hidden_states, dim=-1)
                 hidden_states = torch.cat(
                     [norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)],

@@ -338,3 +338,216 @@ def test_matches_tolerates_bf16_rounding_only():
     pool.k_buffer[0][loc] = k * 1.05
     ok, detail = kv_write.matches(k, v, loc)
     assert not ok and "max |dK| 0.2 of 4.2" in detail
+
+
+# -- what the mutation run showed untested ---------------------------------------------------
+
+
+def kv_lines(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "draft KV write" in r.getMessage()]
+
+
+def test_the_log_lines_and_notes_say_what_runs(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+        adapter = dyn._adapters[type(world.worker)]
+        (line,) = kv_lines(caplog)
+    assert line.startswith("[dynspec] draft KV write matches SGLang's draft-extend at bs=3 (max ")
+    assert line.endswith(
+        "): fallback steps now write the draft KV only; the step before speculation resumes "
+        "runs the draft-extend"
+    )
+    assert adapter.draft_kv_write_note.startswith("draft KV write (checked at bs 3: max |dK| ")
+
+
+def test_before_its_first_step_the_note_says_it_is_not_yet_checked(shapes):
+    world = make_world(shapes, "0.5.17")
+    class Extend:  # the adapter resolves, no step runs
+        def is_decode(self) -> bool:
+            return False
+
+    world.batch.forward_mode = Extend()
+    assert dyn.maybe_fallback_v2(world.worker, world.batch) is None
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_kv_write_note == "draft KV write (checked at the first fallback step)"
+
+
+def test_a_later_rank_logs_nothing(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    world.worker.tp_rank = 1
+    world.worker.draft_worker.draft_runner.model.model.is_mrope_enabled = True
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+    assert kv_lines(caplog) == []
+    world = make_world(shapes, "0.5.17")
+    world.worker.tp_rank = 1
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+    assert kv_lines(caplog) == []
+    assert dyn._adapters[type(world.worker)].draft_kv_write.checked
+
+
+def test_with_tp_every_rank_must_agree_to_use_it(shapes, caplog):
+    """TP 2 without a CPU group to agree over: no rank uses what it cannot agree on."""
+    world = make_world(shapes, "0.5.17")
+    world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+    assert len(extends(world)) == 2
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_kv_write is None
+    assert adapter.draft_kv_write_note == "SGLang's draft-extend (another TP rank cannot use it)"
+    assert kv_lines(caplog) == [
+        "[dynspec] draft KV write not used: another TP rank cannot use it; fallback steps run "
+        "SGLang's draft-extend"
+    ]
+
+
+def test_with_tp_the_check_must_pass_on_every_rank(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        assert dyn._adapter_for(world.worker, "v2") is not None  # start-up on one rank
+        world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
+        step(world, 3, 10)
+        step(world, 3, 11)
+    assert len(extends(world)) == 2
+    adapter = dyn._adapters[type(world.worker)]
+    assert adapter.draft_kv_write.broken.endswith("; another TP rank's differed")
+    (line,) = kv_lines(caplog)
+    assert line.endswith("another TP rank's differed); fallback steps keep SGLang's draft-extend")
+    assert adapter.draft_kv_write_note.startswith("SGLang's draft-extend (the draft KV write ")
+
+
+def test_a_pool_that_cannot_be_read_back_keeps_the_draft_extend(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    pool = world.worker.draft_worker.draft_runner.token_to_kv_pool
+
+    def unreadable(layer_id: int) -> Any:
+        raise RuntimeError("layer-wise transfer in flight")
+
+    pool.get_key_buffer = unreadable
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+    assert len(extends(world)) == 2
+    assert dyn._adapters[type(world.worker)].draft_kv_write.broken == (
+        "reading the KV pool back raised RuntimeError: layer-wise transfer in flight"
+    )
+
+
+def test_the_profile_names_the_phase(shapes, monkeypatch, caplog):
+    monkeypatch.setenv(dyn.PROFILE_ENV, "1")
+    world = make_world(shapes, "0.5.17")
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+    profiles = [r.getMessage() for r in caplog.records if "profile bs=3" in r.getMessage()]
+    assert " draft_extend=" in profiles[0] and " draft_kv_write=" not in profiles[0]
+    assert " draft_kv_write=" in profiles[-1]
+
+
+def test_an_eagle_draft_reads_the_hidden_state_without_fc(shapes):
+    """EAGLE (not -3): the target's hidden state is as wide as the draft's, no fc."""
+    import torch
+
+    from tests.runtime.standins import HIDDEN, LlamaDecoderLayer, LlamaModel
+
+    world = make_world(shapes, "0.5.17")
+    model = LlamaModel()
+    model.embed_tokens = torch.nn.Embedding(16, HIDDEN)
+    model.fc = None  # would fail if called
+    layer = LlamaDecoderLayer()
+    layer.input_layernorm = type(layer.input_layernorm)(HIDDEN, 1.5)
+    layer.hidden_norm = type(layer.hidden_norm)(HIDDEN, 0.5)
+    layer.self_attn = type(layer.self_attn)(2 * HIDDEN)
+    model.layers = torch.nn.ModuleList([layer])
+    world.worker.draft_worker.draft_runner.model.model = model
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == 1
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+
+
+def test_an_older_draft_model_without_the_newer_attributes_is_taken(shapes):
+    """0.5.10's llama_eagle3: no is_input_layer, no fc_norm / input_norm, no is_mrope_enabled
+    attribute; a pool and backend without the quantisation, HND and DCP attributes."""
+    import torch
+
+    world = make_world(shapes, "0.5.17")
+    runner = world.worker.draft_worker.draft_runner
+    model = runner.model.model
+    del model.layers[0].is_input_layer, model.is_mrope_enabled
+    del model.fc_norm, model.input_norm
+    attn = model.layers[0].self_attn.attn
+    del attn.k_scale, attn.v_scale
+    runner.attn_backend = types.SimpleNamespace()
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == 1
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+
+
+def test_a_draft_input_lacking_a_draft_state_field_keeps_the_draft_extend(shapes):
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)
+    world.batch = world._make_batch(3, 11, 100)
+    draft_state(world.batch)
+    info = world.batch.spec_info
+    world.batch.spec_info = types.SimpleNamespace(
+        **{k: v for k, v in vars(info).items() if k != "topk_index"}
+    )
+    dyn.maybe_fallback_v2(world.worker, world.batch)
+    assert len(extends(world)) == 2
+
+
+def test_dsa_draft_state_keeps_the_draft_extend(shapes):
+    import torch
+
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)
+    world.batch = world._make_batch(3, 11, 100)
+    draft_state(world.batch)
+    world.batch.spec_info.dsa_topk_indices = torch.zeros(3, 8, dtype=torch.int64)
+    dyn.maybe_fallback_v2(world.worker, world.batch)
+    assert len(extends(world)) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("no_layers", "the draft model has no model.layers"),
+        ("no_self_attn", "the draft model lacks forward_prepare_native, attn"),
+        ("v_scale", "the draft's KV cache is scaled"),
+    ],
+)
+def test_more_drafts_the_write_cannot_reproduce(change, reason):
+    runner = _runner()
+    model = runner.model.model
+    if change == "no_layers":
+        runner.model = types.SimpleNamespace(model=types.SimpleNamespace(fc=model.fc))
+    elif change == "no_self_attn":
+        del model.layers[0].self_attn
+    else:
+        model.layers[0].self_attn.attn.v_scale = 0.5
+    kv_write, why = dyn.draft_kv_write_for(runner)
+    assert kv_write is None and why == reason
+
+
+def test_matches_accepts_exactly_the_tolerance_and_names_both_parts():
+    import torch
+
+    kv_write, _ = dyn.draft_kv_write_for(_runner())
+    pool = kv_write.pool
+    loc = torch.tensor([5])
+    k = torch.tensor([[[50.0, 2.0]]])
+    v = torch.tensor([[[3.0, 1.0]]])
+    pool.k_buffer[0][loc], pool.v_buffer[0][loc] = torch.tensor([[[50.0, 1.0]]]), v
+    ok, detail = kv_write.matches(k, v, loc)  # |dK| 1.0 = 2 % of 50: still rounding
+    assert ok
+    assert detail == "max |dK| 1 of 50, max |dV| 0 of 3"
