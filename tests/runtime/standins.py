@@ -331,6 +331,8 @@ class World:
                 self.server_args, "speculative_num_draft_tokens", None
             ),
         )
+        # 0.5.16+'s get_parallel(): the TP group (0.5.22+'s model runners have none).
+        self.parallel_config = types.SimpleNamespace(tp_group=None)
         self.fail_draft_extend_at_width: int | None = None
         self.fail_extend_capture: Exception | None = None
         self.extend_captures: list[Any] = []
@@ -411,6 +413,7 @@ class World:
 
         available["get_exec"] = lambda: world.exec_config
         available["get_spec"] = lambda: world.spec_config
+        available["get_parallel"] = lambda: world.parallel_config
         available["EAGLEDraftExtendCudaGraphRunner"] = type(
             "EAGLEDraftExtendCudaGraphRunner", (DraftExtendGraphRunner,), {"world": world}
         )
@@ -992,6 +995,15 @@ class RMSNorm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+class VocabParallelEmbedding(torch.nn.Embedding):
+    """Token ids arrive as int64, as in every forward batch SGLang builds (its draft-extend
+    casts the sampled ids, which are int32, before it)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert input_ids.dtype == torch.int64, input_ids.dtype
+        return super().forward(input_ids)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Rotates each (even, odd) pair of q and k by ``position`` radians."""
 
@@ -1068,7 +1080,7 @@ class LlamaModel(torch.nn.Module):
     def __init__(self, *, fc_norm: bool = False, input_norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(7)
-        self.embed_tokens = torch.nn.Embedding(VOCAB, DRAFT_HIDDEN)
+        self.embed_tokens = VocabParallelEmbedding(VOCAB, DRAFT_HIDDEN)
         self.num_aux_hidden_states = HIDDEN // DRAFT_HIDDEN
         self.fc = torch.nn.Linear(HIDDEN, DRAFT_HIDDEN, bias=False)
         self.fc_norm = (

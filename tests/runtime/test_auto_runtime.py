@@ -164,6 +164,33 @@ def test_auto_with_tp_but_no_cpu_group_fails_closed(caplog):
     assert any("auto needs the TP group's CPU group" in r.getMessage() for r in caplog.records)
 
 
+def test_auto_finds_the_tp_group_where_the_model_runner_has_none(caplog):
+    """0.5.22+: the model runner has no tp_group; the TP group is get_parallel().tp_group.
+    Under TP 2 without a CPU group to share rank 0's costs over, auto fails closed there too
+    (it used to see no TP group and let every rank decide on its own measurements)."""
+    w = world("v2", "0.5.23", speculative_disable_batch_threshold="auto")
+    assert not hasattr(w.worker.target_worker.model_runner, "tp_group")
+    w.parallel_config.tp_group = types.SimpleNamespace(world_size=2)
+    with caplog.at_level(logging.WARNING):
+        assert dyn.maybe_fallback_v2(w.worker, w.batch) is None
+    assert dyn._adapter_for(w.worker, "v2") is None
+    assert any("auto needs the TP group's CPU group" in r.getMessage() for r in caplog.records)
+
+
+def test_tp_group_of_prefers_the_model_runners_group():
+    runner_group, context_group = object(), object()
+    worker = types.SimpleNamespace(
+        target_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace())
+    )
+    context = types.SimpleNamespace(tp_group=context_group)
+    module = {"get_parallel": lambda: context}
+    names = {"parallel_config": "get_parallel"}
+    assert dyn.tp_group_of(worker, names, module) is context_group
+    assert dyn.tp_group_of(worker, {"parallel_config": None}, module) is None
+    worker.target_worker.model_runner.tp_group = runner_group
+    assert dyn.tp_group_of(worker, names, module) is runner_group
+
+
 @pytest.mark.parametrize("word", ["fast", "0", "65537"])
 def test_a_bad_threshold_word_turns_the_feature_off_with_one_warning(caplog, word):
     w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold=word)

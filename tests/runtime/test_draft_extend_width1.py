@@ -179,7 +179,7 @@ def test_no_width1_graphs_keeps_the_n_token_draft_extend(shapes, change, reason,
         world.module.DraftBackendFactory.create_draft_extend_backend = lambda self: Opaque()
     elif change == "another_rank_failed":
         # TP 2 without a CPU group to agree over: no rank may use what it cannot agree on.
-        world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
+        world.worker.target_worker.model_runner.tp_group = types.SimpleNamespace(world_size=2)
     else:
         world.worker.draft_worker.cuda_graph_runner_for_draft_extend = None
 
@@ -197,6 +197,30 @@ def test_no_width1_graphs_keeps_the_n_token_draft_extend(shapes, change, reason,
         assert_draft_worker_restored(world)
     assert world.server_args.speculative_num_draft_tokens == N
     assert world.server_args.cuda_graph_bs == GRAPH_BS
+
+
+def test_0523_captures_through_its_module_draft_tp_context_without_a_runner_tp_group(caplog):
+    """0.5.22+ model runners have no tp_group: the capture enters the draft TP context as that
+    release does (a module function of the layout) and agrees over get_parallel()'s group."""
+    from tests.runtime.standins import read_shape
+
+    world = world_with_graphs({"0.5.23": read_shape("0.5.23", "v2")}, "0.5.23", batch_size=3)
+    del world.worker.draft_worker.draft_runner.tp_group
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        run(world)
+    assert dyn._adapters[type(world.worker)].draft_extend_width1 is not None
+    assert "captured width-1 draft-extend graphs" in caplog.text
+
+
+def test_0523_agrees_over_get_parallels_tp_group(caplog):
+    from tests.runtime.standins import read_shape
+
+    world = world_with_graphs({"0.5.23": read_shape("0.5.23", "v2")}, "0.5.23", batch_size=3)
+    world.parallel_config.tp_group = types.SimpleNamespace(world_size=2)  # no CPU group
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        run(world)
+    assert dyn._adapters[type(world.worker)].draft_extend_width1 is None
+    assert "another TP rank could not capture them" in caplog.text
 
 
 def test_env_switch_keeps_the_n_token_draft_extend(shapes, monkeypatch, caplog):

@@ -274,6 +274,10 @@ def _runner(**changes: Any) -> Any:
             import torch
 
             runner.token_to_kv_pool.store_dtype = torch.uint8
+        elif change == "no_pool":
+            del runner.token_to_kv_pool
+        elif change in ("no_store_dtype", "no_dtype"):
+            delattr(runner.token_to_kv_pool, change.removeprefix("no_"))
         elif change == "quantized":
             runner.token_to_kv_pool.is_quantized_kv_cache = True
         elif change == "hnd":
@@ -285,24 +289,30 @@ def _runner(**changes: Any) -> Any:
     return runner
 
 
+DTYPE = "the draft KV pool stores another dtype than it computes"
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"layers": True}, "the draft has 2 layers"),
+        ({"layers": True}, "the draft has 2 layers (a later layer's KV needs attention)"),
         ({"no_hidden_norm": True}, "the draft model lacks hidden_norm"),
-        ({"mrope": True}, "multimodal rotary positions"),
+        ({"mrope": True}, "the draft uses multimodal rotary positions"),
         ({"k_scale": True}, "the draft's KV cache is scaled"),
-        ({"pool": True}, "the draft KV pool is SWAKVPool"),
-        ({"store_dtype": True}, "stores another dtype"),
-        ({"quantized": True}, "stores another dtype"),
-        ({"hnd": True}, "laid out by page (HND)"),
-        ({"dcp": 2}, "decode-context parallelism"),
-        ({"later_layer": True}, "does not take the target's hidden state"),
+        ({"pool": True}, "the draft KV pool is SWAKVPool, not MHATokenToKVPool"),
+        ({"no_pool": True}, "the draft KV pool is NoneType, not MHATokenToKVPool"),
+        ({"store_dtype": True}, DTYPE),
+        ({"no_store_dtype": True}, DTYPE),
+        ({"no_dtype": True}, DTYPE),
+        ({"quantized": True}, DTYPE),
+        ({"hnd": True}, "the draft KV pool is laid out by page (HND)"),
+        ({"dcp": 2}, "decode-context parallelism splits the draft KV"),
+        ({"later_layer": True}, "the draft's layer does not take the target's hidden state"),
     ],
 )
 def test_drafts_whose_kv_the_write_cannot_reproduce_are_refused(change, reason):
     kv_write, why = dyn.draft_kv_write_for(_runner(**change))
-    assert kv_write is None and reason in why
+    assert kv_write is None and why == reason
 
 
 def test_a_plain_one_layer_draft_is_taken():
@@ -388,10 +398,28 @@ def test_a_later_rank_logs_nothing(shapes, caplog):
     assert dyn._adapters[type(world.worker)].draft_kv_write.checked
 
 
+def test_a_later_rank_does_not_warn_of_a_mismatch_either(shapes, caplog):
+    world = make_world(shapes, "0.5.17")
+    world.worker.tp_rank = 1
+    layer = world.worker.draft_worker.draft_runner.model.model.layers[0]
+    real_forward = layer.forward
+    layer.forward = lambda p, e, h, fb, r: real_forward(p, e + 0.3, h, fb, r)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+    assert dyn._adapters[type(world.worker)].draft_kv_write.broken
+    assert kv_lines(caplog) == []
+
+
+def test_a_backend_without_a_dcp_size_value_is_one_rank():
+    runner = _runner()
+    runner.attn_backend.dcp_size = None
+    assert dyn.draft_kv_write_for(runner)[0] is not None
+
+
 def test_with_tp_every_rank_must_agree_to_use_it(shapes, caplog):
     """TP 2 without a CPU group to agree over: no rank uses what it cannot agree on."""
     world = make_world(shapes, "0.5.17")
-    world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
+    world.worker.target_worker.model_runner.tp_group = types.SimpleNamespace(world_size=2)
     with caplog.at_level(logging.WARNING, logger=dyn.__name__):
         step(world, 3, 10)
         step(world, 3, 11)
@@ -409,7 +437,7 @@ def test_with_tp_the_check_must_pass_on_every_rank(shapes, caplog):
     world = make_world(shapes, "0.5.17")
     with caplog.at_level(logging.WARNING, logger=dyn.__name__):
         assert dyn._adapter_for(world.worker, "v2") is not None  # start-up on one rank
-        world.worker.draft_worker.draft_runner.tp_group = types.SimpleNamespace(world_size=2)
+        world.worker.target_worker.model_runner.tp_group = types.SimpleNamespace(world_size=2)
         step(world, 3, 10)
         step(world, 3, 11)
     assert len(extends(world)) == 2
@@ -484,7 +512,7 @@ def test_an_older_draft_model_without_the_newer_attributes_is_taken(shapes):
     del model.fc_norm, model.input_norm
     attn = model.layers[0].self_attn.attn
     del attn.k_scale, attn.v_scale
-    runner.attn_backend = types.SimpleNamespace()
+    del runner.attn_backend
     step(world, 3, 10)
     step(world, 3, 11)
     assert len(extends(world)) == 1

@@ -1066,6 +1066,13 @@ V2_NEEDS: tuple[Need, ...] = (
         optional=True,
         why="0.5.17+: attention backends read the speculative widths from get_spec()",
     ),
+    Need(
+        "parallel_config",
+        "module",
+        ("get_parallel",),
+        optional=True,
+        why="0.5.22+: the TP group is get_parallel().tp_group (the model runner has none)",
+    ),
     Need("result_cls", "module", ("GenerationBatchResult",)),
     Need("gbr_next_draft_input", "fields", ("next_draft_input",), owner="GenerationBatchResult"),
     Need("gbr_accept_lens", "fields", ("accept_lens",), owner="GenerationBatchResult"),
@@ -1270,6 +1277,10 @@ class Adapter:
     # auto: set while the worker's own speculative step runs inside the hook (re-entry).
     inside_spec_step: bool = False
 
+    def tp_group(self, worker: Any) -> Any:
+        """This server's TP group (``tp_group_of``)."""
+        return tp_group_of(worker, self.names, self.module_globals)
+
     def cls(self, key: str) -> Any:
         """The worker-module (or, for a ``verify_module`` need, verify-module) global."""
         name = self.names[key]
@@ -1462,7 +1473,7 @@ def _build_adapter(worker: Any, variant: str, threshold: int | str) -> Adapter:
         module_globals=module_globals,
         verify_globals=verify_module_globals(module_globals),
         verify_keys=frozenset(n.key for n in needs if n.scope == "verify_module"),
-        controller=_make_controller(worker, names, threshold),
+        controller=_make_controller(worker, names, module_globals, threshold),
     )
     if variant == "v1":
         adapter.grammar = names["verify_vocab_mask"] is not None and names["bitmask_fn"] is not None
@@ -1475,7 +1486,7 @@ def _build_adapter(worker: Any, variant: str, threshold: int | str) -> Adapter:
 
 
 def _make_controller(
-    worker: Any, names: dict[str, str | None], threshold: int | str
+    worker: Any, names: dict[str, str | None], module_globals: dict[str, Any], threshold: int | str
 ) -> DynSpecController | AutoController:
     args = worker.server_args
     min_dwell = (
@@ -1496,7 +1507,7 @@ def _make_controller(
     runner = worker.target_worker.model_runner
     verify_graphs = getattr(runner, names["graph_attr"], None)  # the sizes decode batches pad to
     graph_sizes = [int(b) for b in getattr(verify_graphs, "capture_bs", None) or []]
-    tp_group = getattr(runner, "tp_group", None)
+    tp_group = tp_group_of(worker, names, module_globals)
     share = None
     if int(getattr(tp_group, "world_size", 1) or 1) > 1:
         cpu_group = getattr(tp_group, "cpu_group", None)
@@ -1971,6 +1982,20 @@ def _replays_draft_extend_graphs(draft: Any) -> bool:
     return "cuda_graph_runner_for_draft_extend" in source
 
 
+def tp_group_of(worker: Any, names: dict[str, str | None], module_globals: dict[str, Any]) -> Any:
+    """The TP group every rank of this server's worker is in (None: no TP group found).
+
+    The target model runner's ``tp_group`` (up to 0.5.21), else the release's
+    ``get_parallel().tp_group`` (0.5.22+: the model runner has none). The target's group holds
+    every rank that runs a fallback step, whatever TP size the draft has.
+    """
+    group = getattr(worker.target_worker.model_runner, "tp_group", None)
+    getter = names.get("parallel_config")
+    if group is None and getter:
+        group = getattr(module_globals[getter](), "tp_group", None)
+    return group
+
+
 def _all_ranks_agree(tp_group: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank of ``tp_group`` (one CPU all-reduce when TP > 1).
 
@@ -2045,7 +2070,7 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
         try:
             exec_config = adapter.cls("exec_config")() if adapter.names.get("exec_config") else None
             spec_config = adapter.cls("spec_config")() if adapter.names.get("spec_config") else None
-            with _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group):
+            with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
                 graphs, why = capture_draft_extend_width1(
                     draft,
                     adapter.cls("draft_extend_graph_cls"),
@@ -2056,7 +2081,7 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
                 )
         except Exception as exc:  # capture failed: stay correct with the N-token draft-extend
             graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
-        if not _all_ranks_agree(draft.draft_runner.tp_group, graphs is not None) and graphs:
+        if not _all_ranks_agree(adapter.tp_group(worker), graphs is not None) and graphs:
             graphs, why = None, "another TP rank could not capture them"
     if graphs is None:
         adapter.draft_extend_width1_note = f"N-token draft-extend ({why})"
@@ -2149,7 +2174,7 @@ class DraftKvWrite:
                 hidden = torch.cat(normed, dim=-1)
             hidden = inner.fc(hidden)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        _, k, v = layer.self_attn.forward_prepare_native(positions.to(torch.int64), x)
+        _, k, v = layer.self_attn.forward_prepare_native(positions, x)  # int64 seq_lens
         return (
             k.view(-1, attn.tp_k_head_num, attn.qk_head_dim),
             v.view(-1, attn.tp_v_head_num, attn.v_head_dim),
@@ -2235,8 +2260,7 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
         adapter.draft_kv_write_note = f"off ({DRAFT_KV_WRITE_ENV}=1 turns it on)"
         return
     kv_write, why = draft_kv_write_for(worker.draft_worker.draft_runner)
-    tp_group = getattr(worker.draft_worker.draft_runner, "tp_group", None)
-    if not _all_ranks_agree(tp_group, kv_write is not None) and kv_write is not None:
+    if not _all_ranks_agree(adapter.tp_group(worker), kv_write is not None) and kv_write:
         kv_write, why = None, "another TP rank cannot use it"
     if kv_write is None:
         adapter.draft_kv_write_note = f"SGLang's draft-extend ({why})"
@@ -2443,7 +2467,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             batch = _padding_batch(
                 width1.runner, bs, device, width1.runner.forward_mode, spec_info=spec_info
             )
-            contexts = _draft_contexts(adapter, draft.draft_tp_context, draft.draft_runner.tp_group)
+            contexts = _draft_contexts(adapter, *_v2_draft_tp(adapter, draft))
             with contexts, draft_extend_width1_mode(draft, width1):
                 replay_graph(width1.runner, batch, bs)
 
@@ -2514,7 +2538,7 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
         return  # by default only where its replays have run on a GPU (SGLang <= 0.5.13)
     started = time.perf_counter()
     budget = _warmup_budget()
-    tp_group = getattr(worker.target_worker.model_runner, "tp_group", None)
+    tp_group = adapter.tp_group(worker)
     try:
         replays = _warmup_replays(adapter, worker)
         done, errors, why = run_warmup(
@@ -3122,8 +3146,7 @@ def _check_draft_kv_write(
         ok, detail = kv_write.matches(*mine, loc)
     except Exception as exc:  # cannot read the pool back: stay with the draft-extend
         ok, detail = False, f"reading the KV pool back raised {type(exc).__name__}: {exc}"
-    tp_group = getattr(worker.draft_worker.draft_runner, "tp_group", None)
-    if not _all_ranks_agree(tp_group, ok) and ok:
+    if not _all_ranks_agree(adapter.tp_group(worker), ok) and ok:
         ok, detail = False, f"{detail}; another TP rank's differed"
     bs = int(loc.shape[0])
     if ok:
