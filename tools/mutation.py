@@ -121,11 +121,12 @@ TARGETS: dict[str, Target] = {
     "draft_kv_write": Target(
         RUNTIME,
         ("tests/runtime/test_draft_kv_write.py", "tests/runtime/test_no_host_sync.py",
-         "tests/runtime/test_warmup.py"),
+         "tests/runtime/test_warmup.py", "tests/runtime/test_auto_runtime.py",
+         "tests/runtime/test_draft_extend_width1.py"),
         functions=(
             *_methods("DraftKvWrite", "compute", "_compute", "write", "matches"),
             "x_draft_kv_write_for", "x__prepare_draft_kv_write", "x__draft_state_stub",
-            "x__v2_draft", "x__check_draft_kv_write",
+            "x__v2_draft", "x__check_draft_kv_write", "x_tp_group_of",
         ),
         equivalent=(
             *(("xǁDraftKvWriteǁ_compute", piece, "the tensors are 2-D (rows, width): dim 1 "
@@ -147,7 +148,8 @@ TARGETS: dict[str, Target] = {
              "default as a truth value: None and False are both false"),
         ),
         why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
-            "the check against SGLang's draft-extend, the draft state it hands on"),
+            "the check against SGLang's draft-extend, the draft state it hands on; and the TP "
+            "group every start-up agreement runs over"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",
