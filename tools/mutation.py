@@ -141,9 +141,6 @@ TARGETS: dict[str, Target] = {
               for piece in ('"is_mrope_enabled", None)', '"is_quantized_kv_cache", None)',
                             '"use_hnd", None)')),
             ("x_draft_kv_write_for", '"dcp_size", None)', "None or 1 is 1, the default's value"),
-            *((name, '"tp_group", )', "every release's draft runner has a tp_group: the draft "
-               "TP context of every v2 step reads it")
-              for name in ("x__prepare_draft_kv_write", "x__check_draft_kv_write")),
             ("x__prepare_draft_kv_write", "DRAFT_KV_WRITE_ENV, None)", "lever_on reads the "
              "default as a truth value: None and False are both false"),
         ),

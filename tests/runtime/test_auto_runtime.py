@@ -187,6 +187,8 @@ def test_tp_group_of_prefers_the_model_runners_group():
     names = {"parallel_config": "get_parallel"}
     assert dyn.tp_group_of(worker, names, module) is context_group
     assert dyn.tp_group_of(worker, {"parallel_config": None}, module) is None
+    bare = {"get_parallel": types.SimpleNamespace}  # a context that names no TP group
+    assert dyn.tp_group_of(worker, names, bare) is None
     worker.target_worker.model_runner.tp_group = runner_group
     assert dyn.tp_group_of(worker, names, module) is runner_group
 
