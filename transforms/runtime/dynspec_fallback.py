@@ -3,7 +3,8 @@
 When the decode batch is larger than ``--speculative-disable-batch-threshold T`` the patched
 worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
 one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
-own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm.
+own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm
+(v2, opt-in: ``DraftKvWrite`` stores the draft's K and V alone, checked once against it).
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
 so speculation resumes without special handling.
 
