@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,6 +99,31 @@ def stored(world: Any, slots: Any) -> tuple[Any, Any]:
     return pool.k_buffer[0][slots], pool.v_buffer[0][slots]
 
 
+def assert_the_second_step_wrote_the_kv_alone(world: Any) -> None:
+    """Step 1 checks the write (SGLang's draft-extend runs); step 2 stores the draft KV alone,
+    what the stand-in model's own draft-extend would have stored."""
+    import torch
+
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == 1
+    slots, k, v = reference_kv(world, 11, 3)
+    got_k, got_v = stored(world, slots)
+    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+    assert k.abs().sum() > 0  # the rows were written, not left at zero
+
+
+def second_step_runs_the_draft_extend(world: Any, change: Callable[[Any], None]) -> bool:
+    """After the checking step, whether a step whose draft input ``change`` altered still ran
+    SGLang's draft-extend."""
+    step(world, 3, 10)
+    world.batch = world._make_batch(3, 11, 100)
+    draft_state(world.batch)
+    change(world.batch)
+    dyn.maybe_fallback_v2(world.worker, world.batch)
+    return len(extends(world)) == 2
+
+
 # -- the fallback steps ---------------------------------------------------------------------
 
 
@@ -157,19 +183,12 @@ def test_the_checked_step_matches_and_a_changed_model_is_refused_at_once(shapes,
 
 @pytest.mark.parametrize(("fc_norm", "input_norm"), [(True, False), (False, True), (True, True)])
 def test_the_write_follows_the_draft_models_own_norms(shapes, fc_norm, input_norm):
-    import torch
-
     from tests.runtime.standins import LlamaModel
 
     world = make_world(shapes, "0.5.23")
     runner = world.worker.draft_worker.draft_runner
     runner.model.model = LlamaModel(fc_norm=fc_norm, input_norm=input_norm)
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert len(extends(world)) == 1
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
-    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+    assert_the_second_step_wrote_the_kv_alone(world)
 
 
 def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shapes, caplog):
@@ -211,25 +230,21 @@ def test_a_width1_server_also_writes_the_kv_alone_once_checked(shapes):
 
 def test_a_draft_input_without_draft_state_keeps_the_draft_extend(shapes):
     world = make_world(shapes, "0.5.17")
-    step(world, 3, 10)
-    world.batch = world._make_batch(3, 11, 100)
-    draft_state(world.batch)
-    world.batch.spec_info.topk_p = None
-    dyn.maybe_fallback_v2(world.worker, world.batch)
-    assert len(extends(world)) == 2
+
+    def no_topk_p(batch: Any) -> None:
+        batch.spec_info.topk_p = None
+
+    assert second_step_runs_the_draft_extend(world, no_topk_p)
     assert not dyn._adapters[type(world.worker)].draft_state_stale
 
 
 def test_rejection_sampling_draft_probs_keep_the_draft_extend(shapes):
     import torch
 
-    world = make_world(shapes, "0.5.17")
-    step(world, 3, 10)
-    world.batch = world._make_batch(3, 11, 100)
-    draft_state(world.batch)
-    world.batch.spec_info.draft_probs = torch.ones(3, 16)
-    dyn.maybe_fallback_v2(world.worker, world.batch)
-    assert len(extends(world)) == 2
+    def draft_probs(batch: Any) -> None:
+        batch.spec_info.draft_probs = torch.ones(3, 16)
+
+    assert second_step_runs_the_draft_extend(make_world(shapes, "0.5.17"), draft_probs)
 
 
 @pytest.mark.parametrize("value", ["0", None])
@@ -492,19 +507,12 @@ def test_an_eagle_draft_reads_the_hidden_state_without_fc(shapes):
     layer.self_attn = type(layer.self_attn)(2 * HIDDEN)
     model.layers = torch.nn.ModuleList([layer])
     world.worker.draft_worker.draft_runner.model.model = model
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert len(extends(world)) == 1
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
-    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+    assert_the_second_step_wrote_the_kv_alone(world)
 
 
 def test_an_older_draft_model_without_the_newer_attributes_is_taken(shapes):
     """0.5.10's llama_eagle3: no is_input_layer, no fc_norm / input_norm, no is_mrope_enabled
     attribute; a pool and backend without the quantisation, HND and DCP attributes."""
-    import torch
-
     world = make_world(shapes, "0.5.17")
     runner = world.worker.draft_worker.draft_runner
     model = runner.model.model
@@ -513,37 +521,24 @@ def test_an_older_draft_model_without_the_newer_attributes_is_taken(shapes):
     attn = model.layers[0].self_attn.attn
     del attn.k_scale, attn.v_scale
     del runner.attn_backend
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert len(extends(world)) == 1
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
-    assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
+    assert_the_second_step_wrote_the_kv_alone(world)
 
 
 def test_a_draft_input_lacking_a_draft_state_field_keeps_the_draft_extend(shapes):
-    world = make_world(shapes, "0.5.17")
-    step(world, 3, 10)
-    world.batch = world._make_batch(3, 11, 100)
-    draft_state(world.batch)
-    info = world.batch.spec_info
-    world.batch.spec_info = types.SimpleNamespace(
-        **{k: v for k, v in vars(info).items() if k != "topk_index"}
-    )
-    dyn.maybe_fallback_v2(world.worker, world.batch)
-    assert len(extends(world)) == 2
+    def without_topk_index(batch: Any) -> None:
+        fields = {k: v for k, v in vars(batch.spec_info).items() if k != "topk_index"}
+        batch.spec_info = types.SimpleNamespace(**fields)
+
+    assert second_step_runs_the_draft_extend(make_world(shapes, "0.5.17"), without_topk_index)
 
 
 def test_dsa_draft_state_keeps_the_draft_extend(shapes):
     import torch
 
-    world = make_world(shapes, "0.5.17")
-    step(world, 3, 10)
-    world.batch = world._make_batch(3, 11, 100)
-    draft_state(world.batch)
-    world.batch.spec_info.dsa_topk_indices = torch.zeros(3, 8, dtype=torch.int64)
-    dyn.maybe_fallback_v2(world.worker, world.batch)
-    assert len(extends(world)) == 2
+    def dsa_state(batch: Any) -> None:
+        batch.spec_info.dsa_topk_indices = torch.zeros(3, 8, dtype=torch.int64)
+
+    assert second_step_runs_the_draft_extend(make_world(shapes, "0.5.17"), dsa_state)
 
 
 @pytest.mark.parametrize(
