@@ -277,6 +277,28 @@ def test_profiler_reports_per_phase_means_by_batch_size():
     assert "steps=2" in lines[1] and "target=" in lines[1] and "total=" in lines[1]
 
 
+def test_profiler_total_is_the_mean_step_when_steps_run_different_phases(monkeypatch):
+    """The step that checks the draft KV write runs the draft-extend, the others the write:
+    the total is their mean step, not the sum of each phase's mean."""
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=2, log=lines.append)
+    now = [0.0]
+    monkeypatch.setattr(dyn.time, "perf_counter", lambda: now[0])
+    cpu = types.SimpleNamespace(type="cpu")
+    for phase, ms in (("draft_extend", 3.0), ("draft_kv_write", 0.5)):
+        profiler.start(8, cpu)
+        now[0] += 0.001
+        profiler.mark("prepare")
+        now[0] += ms / 1000
+        profiler.mark(phase)
+        profiler.finish()
+    (line,) = lines
+    assert "steps=2 " in line
+    assert "prepare=0.000/1.000 draft_extend=0.000/3.000 " in line
+    assert "draft_kv_write=0.000/0.500 " in line
+    assert line.endswith("total=0.000/2.750")
+
+
 def test_profiler_is_silent_until_its_period():
     lines: list[str] = []
     profiler = dyn.StepProfiler(every=5, log=lines.append)

@@ -2647,11 +2647,15 @@ class StepProfiler:
         }
 
     def _report(self) -> None:
+        """One line per batch size: each phase's mean over the steps that ran it, and the mean
+        step (a phase only some steps run, e.g. the draft-extend of the step that checks the
+        draft KV write, counts in the total by its share of the steps)."""
         for bs, phases in self.summary().items():
-            steps = int(next(iter(self._sums[bs].values()))[2])
+            sums = self._sums[bs].values()
+            steps = int(max(v[2] for v in sums))
             parts = " ".join(f"{p}={g:.3f}/{h:.3f}" for p, (g, h) in phases.items())
-            total_gpu = sum(g for g, _ in phases.values())
-            total_host = sum(h for _, h in phases.values())
+            total_gpu = sum(v[0] for v in sums) / steps
+            total_host = sum(v[1] for v in sums) / steps
             self._log(
                 f"[dynspec] profile bs={bs} steps={steps} gpu/host ms: {parts} "
                 f"total={total_gpu:.3f}/{total_host:.3f}"
