@@ -533,3 +533,51 @@ def test_only_a_speculative_step_in_fallback_is_a_probe():
     probes = [m.probe for m in (*controller.measurements._pending,
                                 *speculating.measurements._pending)]
     assert probes == [True, False, False]
+
+
+def test_a_deferred_probe_speculates_at_the_next_step_instead():
+    """A probe whose step ran plain (the draft state was stale) is put off, not lost."""
+    policy = policy_with(1.2)
+    decisions = [policy.decide(64) for _ in range(40)]
+    first_probe = decisions.index(False, AutoConfig().confirm_steps)
+    policy = policy_with(1.2)
+    for _ in range(first_probe + 1):
+        policy.decide(64)
+    policy.defer_speculation()
+    probes = policy.n_probes
+    assert [policy.decide(64) for _ in range(3)] == [False, True, True]
+    assert policy.last_out_of_mode is False and policy.n_probes == probes
+    # the probe gaps go on from the probe as decided: the next one 32 steps after it
+    later = [policy.decide(64) for _ in range(40)]
+    assert later.index(False) == 32 - 1 - 3
+
+
+def test_a_deferred_multi_step_probe_still_runs_all_its_steps():
+    policy = policy_with(1.0)
+    decisions = [policy.decide(4) for _ in range(40)]
+    start = decisions.index(False, AutoConfig().confirm_steps)
+    assert decisions[start : start + 9] == [False] * 8 + [True]  # 8 steps of 4 requests
+    policy = policy_with(1.0)
+    for _ in range(start + 1):
+        policy.decide(4)
+    policy.defer_speculation()
+    assert [policy.decide(4) for _ in range(9)] == [False] * 8 + [True]
+
+
+def test_a_deferred_explore_step_measures_at_the_next_step():
+    costs = CostTable({64: (30.0, 10.0), 128: (None, 14.0)})
+    policy = policy_with(1.0, costs)
+    for _ in range(8):
+        policy.decide(64)
+    assert policy.in_fallback
+    assert policy.decide(128) is False  # explore: the speculative cost at 128 is unknown
+    policy.defer_speculation()
+    assert [policy.decide(128) for _ in range(3)] == [False, True, True]
+
+
+def test_nothing_is_owed_after_switching_back_to_speculation():
+    policy = policy_with(2.5)
+    policy.in_fallback = False
+    policy.defer_speculation()  # a switch back whose first step ran plain
+    decisions = [policy.decide(8) for _ in range(1100)]
+    assert [i for i, fallback in enumerate(decisions) if fallback] == [1023]

@@ -574,3 +574,22 @@ def test_matches_accepts_exactly_the_tolerance_and_names_both_parts():
     ok, detail = kv_write.matches(k, v, loc)  # |dK| 1.0 = 2 % of 50: still rounding
     assert ok
     assert detail == "max |dK| 1 of 50, max |dV| 0 of 3"
+
+
+def test_under_auto_a_probe_put_off_by_a_stale_draft_state_speculates_next(shapes):
+    """auto in fallback wants a speculative probe while the draft state is stale: that step
+    runs plain with SGLang's draft-extend, the next one is the worker's speculative step."""
+    world = make_world(shapes, "0.5.17", threshold="auto")
+    adapter = dyn._adapter_for(world.worker, "v2")
+    policy = adapter.controller.policy
+    padded = dyn.padded_batch_size(3, policy.graph_sizes)
+    # plain steps win at this size, both costs known (no explore step): in fallback
+    policy.adopt(dyn.Snapshot(1.0, dyn.CostTable({padded: (30.0, 10.0)})))
+    policy.in_fallback, policy._gap_padded, policy._probe_gap = True, padded, 4
+    world.worker.forward_batch_generation = lambda batch, **kwargs: "speculative result"
+    results = [step(world, 3, 10 + i) for i in range(5)]
+    # 1: checked (draft-extend) 2, 3: KV write; 4: the probe, run plain with the draft-extend;
+    # 5: the speculative step it owed
+    assert results[4] == "speculative result"
+    assert all(r is not None and r != "speculative result" for r in results[:4])
+    assert len(extends(world)) == 2 and not adapter.draft_state_stale

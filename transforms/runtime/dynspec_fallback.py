@@ -374,6 +374,9 @@ class GoodputPolicy:
         self._last_explore: dict[tuple[bool, int], int] = {}
         self._last_switch: tuple[int, int] | None = None  # (step, padded batch size)
         self._flaps = 0
+        # A speculative step in fallback (probe, explore) that ran as a plain step instead
+        # (``defer_speculation``): the next plain step of fallback speculates in its place.
+        self._deferred = False
 
     def adopt(self, snapshot: Snapshot) -> None:
         """Take new measured inputs (call at the same step on every rank)."""
@@ -423,12 +426,21 @@ class GoodputPolicy:
                     per_step = max(1, batch_size)
                     wanted = -(-self.config.probe_requests // per_step)
                     self._probe_left = min(wanted, self.config.probe_steps_max) - 1
+        if self._deferred and (run_fallback or not self.in_fallback):
+            run_fallback = run_fallback and not self.in_fallback
+            self._deferred = False
         self.last_out_of_mode = run_fallback != self.in_fallback
         if run_fallback:
             self.n_fallback_steps += 1
         else:
             self.n_spec_steps += 1
         return run_fallback
+
+    def defer_speculation(self) -> None:
+        """The speculative step just decided ran as a plain step: in fallback, the next step
+        that would run plain speculates instead, so a probe or an explore step is put off by
+        one step, never lost. Once speculating again (a switch back), nothing is owed."""
+        self._deferred = True
 
     def _wins_needed(self, padded: int) -> int:
         """``confirm_steps``, times ``flap_factor ** flaps`` at the load of the last switch."""
@@ -2997,7 +3009,10 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         if not adapter.draft_state_stale:
             return _auto_spec_step(worker, adapter, batch, kwargs)
         # The last step handed on no draft state to draft from: one more fallback step, with
-        # SGLang's draft-extend (not timed: it is neither kind of step auto measures).
+        # SGLang's draft-extend (not timed: it is neither kind of step auto measures); auto
+        # runs the speculative step it wanted at the next step.
+        if isinstance(adapter.controller, AutoController):
+            adapter.controller.policy.defer_speculation()
         return _v2_step(worker, adapter, batch, on_publish, grammar_barrier, full_draft=True)
     started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
