@@ -3136,9 +3136,13 @@ def _v2_draft(
     stub = None
     if kv_write is not None and not kv_write.broken and not full_draft:
         stub = _draft_state_stub(draft_input)
+    if kv_write is None or stub is None:  # SGLang's draft-extend alone (the write is off)
+        phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
+        adapter.draft_state_stale = False
+        return phase
     loc = slots[:, 0].contiguous()
     tp = _v2_draft_tp(adapter, worker.draft_worker)
-    if kv_write is not None and stub is not None and kv_write.checked:
+    if kv_write.checked:
         with _draft_contexts(adapter, *tp):
             kv_write.write(predict, hidden, batch.seq_lens, loc)
         next_input = result.next_draft_input
@@ -3146,14 +3150,11 @@ def _v2_draft(
         batch.input_ids, batch.out_cache_loc = predict, loc  # as SGLang's prepare leaves them
         adapter.draft_state_stale = True
         return "draft_kv_write"
-    mine = None
-    if kv_write is not None and stub is not None:
-        with _draft_contexts(adapter, *tp):
-            mine = kv_write.compute(predict, hidden, batch.seq_lens)
+    with _draft_contexts(adapter, *tp):
+        mine = kv_write.compute(predict, hidden, batch.seq_lens)
     phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
     adapter.draft_state_stale = False
-    if kv_write is not None and mine is not None:
-        _check_draft_kv_write(worker, adapter, kv_write, mine, loc)
+    _check_draft_kv_write(worker, adapter, kv_write, mine, loc)
     return phase
 
 
