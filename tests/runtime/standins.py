@@ -1141,3 +1141,12 @@ def give_draft_model(world: World, **model_kwargs: Any) -> Any:
     runner.token_to_kv_pool = MHATokenToKVPool()
     runner.attn_backend = types.SimpleNamespace(dcp_size=1)
     return runner
+
+
+def package_says_release(monkeypatch: Any, world: World, release: str) -> None:
+    """Make the stand-in worker module's package say it is ``release``, the way SGLang's
+    ``sglang.version.__version__`` does (``dynspec_fallback.sglang_release`` reads it)."""
+    version = types.ModuleType(f"{world.module.__name__}.version")
+    version.__version__ = release  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, world.module.__name__, world.module)
+    monkeypatch.setitem(sys.modules, version.__name__, version)

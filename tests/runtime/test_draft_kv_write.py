@@ -248,19 +248,57 @@ def test_rejection_sampling_draft_probs_keep_the_draft_extend(shapes):
     assert second_step_runs_the_draft_extend(make_world(shapes, "0.5.17"), draft_probs)
 
 
-@pytest.mark.parametrize("value", ["0", None])
-def test_off_unless_turned_on(shapes, monkeypatch, value):
+@pytest.mark.parametrize(
+    ("value", "release"),
+    [("0", "0.5.17"), (None, None), (None, "0.5.16"), (None, "0.5.19"), (None, "0.5.17.post1")],
+)
+def test_off_unless_turned_on_or_on_a_release_it_ran_on(shapes, monkeypatch, value, release):
+    """Unset, the write runs only where its package says a release it has run on with a GPU
+    (``GPU_PROVEN_RELEASES``); "0" turns it off there too."""
+    from tests.runtime.standins import package_says_release
+
     if value is None:
         monkeypatch.delenv(dyn.DRAFT_KV_WRITE_ENV)
     else:
         monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, value)
     world = make_world(shapes, "0.5.17")
+    if release is not None:
+        package_says_release(monkeypatch, world, release)
     step(world, 3, 10)
     step(world, 3, 11)
     assert len(extends(world)) == 2
     adapter = dyn._adapters[type(world.worker)]
     assert adapter.draft_kv_write is None
     assert adapter.draft_kv_write_note.startswith("off (DYNSPEC_DRAFT_KV_WRITE=1")
+    assert "only on SGLang 0.5.17," in adapter.draft_kv_write_note
+
+
+def test_on_by_default_on_a_release_it_ran_on(shapes, monkeypatch):
+    from tests.runtime.standins import package_says_release
+
+    monkeypatch.delenv(dyn.DRAFT_KV_WRITE_ENV)
+    world = make_world(shapes, "0.5.17")
+    package_says_release(monkeypatch, world, "0.5.17")
+    step(world, 3, 10)  # checked against the draft-extend
+    step(world, 3, 11)  # the write alone
+    assert len(extends(world)) == 1
+    assert dyn._adapters[type(world.worker)].draft_kv_write is not None
+
+
+def test_the_release_is_read_from_the_worker_package(tmp_path, monkeypatch):
+    """``sglang_release`` imports ``<package>.version`` as SGLang lays it out; a package
+    without one (or without ``__version__``) is no release."""
+    for name, body in [("withversion", '__version__ = "0.5.17"\n'), ("noattr", "")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "version.py").write_text(body)
+    (tmp_path / "noversion").mkdir()
+    (tmp_path / "noversion" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert dyn.sglang_release({"__name__": "withversion.srt.speculative.w"}) == "0.5.17"
+    assert dyn.sglang_release({"__name__": "noattr.srt.w"}) is None
+    assert dyn.sglang_release({"__name__": "noversion.srt.w"}) is None
+    assert dyn.sglang_release({}) is None
 
 
 # -- what the write is used for --------------------------------------------------------------

@@ -312,17 +312,28 @@ class _ExecuteLayout(ReplayingGraphRunner):
         ReplayingGraphRunner.replay(self, forward_batch)
 
 
-@pytest.mark.parametrize(("layout", "warms_up"), [("replay", True), ("execute", False)])
-def test_by_default_the_levers_run_only_on_the_layout_proven_on_a_gpu(
-    forward_batch_info, monkeypatch, caplog, layout, warms_up
+@pytest.mark.parametrize(
+    ("layout", "release", "warms_up"),
+    [
+        ("replay", None, True),
+        ("execute", None, False),
+        ("execute", "0.5.16", False),
+        ("execute", "0.5.19", False),
+        ("execute", "0.5.17", True),
+    ],
+)
+def test_by_default_the_levers_run_only_where_they_ran_on_a_gpu(
+    forward_batch_info, monkeypatch, caplog, layout, release, warms_up
 ):
     """Unset, both levers run on SGLang <= 0.5.13 (replay(): run on an H200 with 0.5.12.post1,
-    greedy outputs checked) and neither on 0.5.14+'s execute() layout."""
-    from tests.runtime.standins import DraftExtendGraphRunner
+    greedy outputs checked) and, of 0.5.14+'s execute() layout, only on 0.5.17 (run there)."""
+    from tests.runtime.standins import DraftExtendGraphRunner, package_says_release
 
     monkeypatch.delenv(dyn.DRAFT_EXTEND_WIDTH1_ENV)
     monkeypatch.delenv(dyn.WARMUP_ENV)
     world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    if release is not None:
+        package_says_release(monkeypatch, world, release)
     if layout == "execute":
         runner = world.worker.target_worker.model_runner
         setattr(runner, world.shape.graph_attr, _ExecuteLayout.__new__(_ExecuteLayout))

@@ -4,7 +4,8 @@ When the decode batch is larger than ``--speculative-disable-batch-threshold T``
 worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
 one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
 own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm
-(v2, opt-in: ``DraftKvWrite`` stores the draft's K and V alone, checked once against it).
+(v2, by default on ``GPU_PROVEN_RELEASES``: ``DraftKvWrite`` stores the draft's K and V alone,
+checked once against it).
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
 so speculation resumes without special handling.
 
@@ -67,6 +68,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import itertools
 import logging
@@ -2048,6 +2050,29 @@ def lever_on(env: str, proven: bool) -> bool:
     return proven
 
 
+# The releases of the execute() layout (0.5.14+) where the speed levers (width-1 draft-extend,
+# start-up warm-up, draft KV write) have run on an H200 with greedy outputs checked on the
+# crafted models and the strict KV check on (0.5.17: 2026-12-01 and 2026-12-02, RESULTS.md).
+GPU_PROVEN_RELEASES = ("0.5.17",)
+
+
+def sglang_release(module_globals: dict[str, Any]) -> str | None:
+    """The release the worker module's package says it is (``<package>.version.__version__``,
+    as ``sglang.version`` has it), or None where that cannot be read."""
+    package = str(module_globals.get("__name__", "")).partition(".")[0]
+    if not package:
+        return None
+    try:
+        return str(importlib.import_module(f"{package}.version").__version__)
+    except Exception:  # no such module or attribute: an unknown release proves nothing
+        return None
+
+
+def on_gpu_proven_release(adapter: Adapter) -> bool:
+    """Whether this server's SGLang is one of ``GPU_PROVEN_RELEASES``."""
+    return sglang_release(adapter.module_globals) in GPU_PROVEN_RELEASES
+
+
 def replays_with_replay(runner_cls: Any) -> bool:
     """Whether a graph runner class replays through ``replay()``: SGLang <= 0.5.13's layout,
     where the width-1 draft-extend and the warm-up ran on an H200 (0.5.12.post1, 2026-12-01;
@@ -2059,12 +2084,14 @@ def _prepare_draft_extend_width1(adapter: Adapter, worker: Any) -> None:
     """Capture the width-1 draft-extend graphs once per process; failures keep the N-token one."""
     has_graph_cls = adapter.names.get("draft_extend_graph_cls")
     graph_cls = adapter.cls("draft_extend_graph_cls") if has_graph_cls else None
-    if not lever_on(DRAFT_EXTEND_WIDTH1_ENV, replays_with_replay(graph_cls)):
-        # 0.5.14+ (execute() layout) has not run it on a GPU since the 0.5.17 fix (its
-        # backends read the widths from get_spec(); before that, an illegal memory access).
+    if not lever_on(
+        DRAFT_EXTEND_WIDTH1_ENV, replays_with_replay(graph_cls) or on_gpu_proven_release(adapter)
+    ):
+        # Another 0.5.14+ release (execute() layout): 0.5.17 made an illegal memory access
+        # before its fix (its backends read the widths from get_spec()); only 0.5.17 has run it.
         adapter.draft_extend_width1_note = (
             f"off ({DRAFT_EXTEND_WIDTH1_ENV}=1 turns it on; by default only on SGLang <= "
-            "0.5.13, where it has run on a GPU)"
+            f"0.5.13 and {', '.join(GPU_PROVEN_RELEASES)}, where it has run on a GPU)"
         )
         return
     draft = worker.draft_worker
@@ -2269,8 +2296,11 @@ def draft_kv_write_for(draft_runner: Any) -> tuple[DraftKvWrite | None, str]:
 
 def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
     """Find the draft KV write once per process (checked later, at its first real step)."""
-    if not lever_on(DRAFT_KV_WRITE_ENV, False):
-        adapter.draft_kv_write_note = f"off ({DRAFT_KV_WRITE_ENV}=1 turns it on)"
+    if not lever_on(DRAFT_KV_WRITE_ENV, on_gpu_proven_release(adapter)):
+        adapter.draft_kv_write_note = (
+            f"off ({DRAFT_KV_WRITE_ENV}=1 turns it on; by default only on SGLang "
+            f"{', '.join(GPU_PROVEN_RELEASES)}, where it has run on a GPU)"
+        )
         return
     kv_write, why = draft_kv_write_for(worker.draft_worker.draft_runner)
     if not _all_ranks_agree(adapter.tp_group(worker), kv_write is not None) and kv_write:
@@ -2547,8 +2577,9 @@ def _warm_up_graphs(adapter: Adapter, worker: Any) -> None:
     if adapter.decode_graphs is None and adapter.draft_extend_width1 is None:
         return  # nothing replays, and a draft KV write alone runs no graph
     runners = [g.runner for g in (adapter.decode_graphs, adapter.draft_extend_width1) if g]
-    if not lever_on(WARMUP_ENV, all(replays_with_replay(type(r)) for r in runners)):
-        return  # by default only where its replays have run on a GPU (SGLang <= 0.5.13)
+    proven = all(replays_with_replay(type(r)) for r in runners) or on_gpu_proven_release(adapter)
+    if not lever_on(WARMUP_ENV, proven):
+        return  # by default only where its replays have run on a GPU (<= 0.5.13, 0.5.17)
     started = time.perf_counter()
     budget = _warmup_budget()
     tp_group = adapter.tp_group(worker)
