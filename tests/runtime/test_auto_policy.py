@@ -67,7 +67,9 @@ def test_it_speculates_while_any_input_is_unknown():
     policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES)
     policy.adopt(Snapshot(None, table()))  # no verify step read yet
     assert not any(policy.decide(128) for _ in range(100))
-    policy.adopt(Snapshot(1.0, CostTable({1: (10.0, 5.0)})))  # no cost known at 128
+    # No cost known at 128, and the one size known (speculation wins there) bounds nothing
+    # above it (CostTable.deciding_size).
+    policy.adopt(Snapshot(3.0, CostTable({1: (10.0, 5.0)})))
     decisions = [policy.decide(128) for _ in range(100)]
     assert policy.n_switches == 0
     # ... but it measures the unknown plain cost there: one plain step per explore gap.
@@ -96,6 +98,64 @@ def test_costs_between_graph_sizes_are_interpolated_and_unknown_outside():
     assert costs.step_ms(False, 8) is None  # below the smallest measured plain size
     assert padded_batch_size(13, GRAPH_SIZES) == 16
     assert padded_batch_size(300, GRAPH_SIZES) == 300  # beyond the graphs: eager, unpadded
+
+
+def test_a_measured_size_decides_beyond_itself_only_where_the_cost_ratio_bounds_it():
+    """The speculative step's cost relative to a plain one does not fall as the batch grows:
+    plain steps that win at the largest measured size win above it, speculation that wins at
+    the smallest wins below it; the other two cases stay unknown."""
+    costs = CostTable({16: (20.0, 10.0), 64: (60.0, 15.0), 8: (14.0, None), 128: (None, 25.0)})
+    # At 64 plain wins for 3.0 tokens per step (3 / 60 < 1 / 15), speculation for 4.5.
+    assert costs.deciding_size(96, 3.0) == 64  # above 64, the largest size with both costs
+    assert costs.deciding_size(256, 3.0) == 64
+    assert costs.deciding_size(96, 4.5) is None
+    # At 16 speculation wins for 2.5 tokens per step (2.5 / 20 > 1 / 10), plain steps for 1.5.
+    assert costs.deciding_size(4, 2.5) == 16  # below 16, the smallest size with both costs
+    assert costs.deciding_size(4, 1.5) is None
+    assert costs.deciding_size(32, 3.0) is None  # between measured sizes: interpolated instead
+    assert costs.deciding_size(16, 3.0) is None
+    assert CostTable({8: (14.0, None)}).deciding_size(96, 1.0) is None  # no size has both
+
+
+def test_a_load_bigger_than_any_measured_goes_plain_within_the_dwell_steps():
+    """A sudden load above every measured size switches to plain steps where they win at the
+    largest one, within confirm_steps, not after its own costs are measured; the switch line
+    says whose costs decided."""
+    lines: list[str] = []
+    confirm = AutoConfig().confirm_steps
+    policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES, log=lines.append)
+    policy.adopt(Snapshot(2.0, table(sizes=[1, 8, 16, 32, 64])))  # plain wins at 64
+    modes = []
+    for _ in range(2 * confirm):
+        policy.decide(128)
+        modes.append(policy.in_fallback)
+    assert modes.index(True) == confirm - 1
+    assert policy.n_switches == 1
+    assert lines[0].startswith(
+        "[dynspec] auto: spec -> fallback at decode bs=128 (padded 128, step costs of bs 64): "
+        "spec 2645 tok/s (2.00 tokens/step, 48.40 ms/step) vs plain 3855 tok/s (16.60 ms/step)"
+    )
+    assert policy.last is not None and policy.last.costs_of == 64
+
+
+def test_a_load_smaller_than_any_measured_speculates_where_it_wins_at_the_smallest():
+    confirm = AutoConfig().confirm_steps
+    costs = table(sizes=[32, 64, 128])  # nothing measured below 32
+    policy = policy_with(1.0, costs)
+    for _ in range(confirm):
+        policy.decide(64)
+    assert policy.in_fallback  # nothing accepted: plain steps
+    policy.adopt(Snapshot(2.0, costs))  # at 32 plain still wins (2 / 29.2 < 1 / 11.8)
+    for _ in range(4 * confirm):
+        policy.decide(4)
+    assert policy.in_fallback and policy.n_switches == 1
+    policy.adopt(Snapshot(4.5, costs))  # at 32 speculation wins (4.5 / 29.2 > 1 / 11.8)
+    modes = []
+    for _ in range(2 * confirm):
+        policy.decide(4)
+        modes.append(policy.in_fallback)
+    assert modes.index(False) == confirm - 1
+    assert policy.n_switches == 2
 
 
 def test_a_load_near_the_crossover_never_flaps():

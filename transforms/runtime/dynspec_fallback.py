@@ -26,7 +26,11 @@ off). In fallback, a speculative probe (enough consecutive steps for 32 requests
 runs after 16 fallback steps, the gap doubling per probe up to 1024 and starting again at 16
 when the batch size moves 2x; speculating, one plain probe step runs every 1024 steps (the
 plain cost stays as fresh as the speculative one). Where the table lacks a mode's cost at a
-size, one step of that mode runs every 8 steps until it is known ("explore").
+size, one step of that mode runs every 8 steps until it is known ("explore"); meanwhile a size
+above the largest one with both costs runs plain steps if they win there, and one below the
+smallest speculates if speculation wins there (a speculative step's cost relative to a plain
+one does not fall as the batch grows), so a sudden load bigger than any seen switches within
+the dwell steps instead of speculating until its costs are measured.
 
 The cost table is not measured at start-up on any release (replaying the speculative graphs
 outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
@@ -277,6 +281,25 @@ class CostTable:
             return ms0
         return ms0 + (ms1 - ms0) * (batch_size - bs0) / (bs1 - bs0)
 
+    def deciding_size(self, batch_size: int, tokens_per_step: float) -> int | None:
+        """A measured size whose costs decide for ``batch_size`` too, where that has none.
+
+        A speculative step verifies N tokens per request and a plain step one, so the first
+        grows faster with the batch: their cost ratio does not fall as the batch grows. Then
+        above the largest size with both costs, plain steps win if they win there; below the
+        smallest, speculation wins if it wins there. None where no such bound decides.
+        """
+        both = sorted(bs for bs, (spec, plain) in self.entries.items() if spec and plain)
+        if not both:
+            return None
+        if batch_size > both[-1]:
+            spec, plain = self.entries[both[-1]]
+            return both[-1] if tokens_per_step / spec < 1.0 / plain else None
+        if batch_size < both[0]:
+            spec, plain = self.entries[both[0]]
+            return both[0] if tokens_per_step / spec > 1.0 / plain else None
+        return None
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -311,21 +334,24 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Estimates:
-    """What one decision compared: tok/s of each mode at ``batch_size`` (padded)."""
+    """What one decision compared: tok/s of each mode at ``batch_size`` (padded), from the
+    step costs at ``costs_of``: ``padded`` itself, or the measured size that decides for it
+    (``CostTable.deciding_size``)."""
 
     batch_size: int
     padded: int
     tokens_per_step: float
     spec_ms: float
     plain_ms: float
+    costs_of: int
 
     @property
     def spec_tok_s(self) -> float:
-        return 1000.0 * self.padded * self.tokens_per_step / self.spec_ms
+        return 1000.0 * self.costs_of * self.tokens_per_step / self.spec_ms
 
     @property
     def plain_tok_s(self) -> float:
-        return 1000.0 * self.padded / self.plain_ms
+        return 1000.0 * self.costs_of / self.plain_ms
 
 
 def padded_batch_size(batch_size: int, graph_sizes: list[int]) -> int:
@@ -338,8 +364,9 @@ class GoodputPolicy:
 
     Per decode step it compares ``padded * tokens_per_step / spec_ms`` with
     ``padded / plain_ms`` and switches mode after the other one won ``confirm_steps``
-    consecutive decisions by more than ``margin``. Whatever is unknown keeps the current
-    mode (speculation at start-up). It also says which steps run the other mode once:
+    consecutive decisions by more than ``margin``. Whatever is unknown, and not decided by
+    a measured size that bounds it (``CostTable.deciding_size``), keeps the current mode
+    (speculation at start-up). It also says which steps run the other mode once:
     probes (in fallback after 16, 32, ... 1024 steps, re-measuring acceptance and the
     speculative cost; speculating, every 1024 steps, re-measuring the plain cost) and explore
     steps (the table has no cost of the other mode at this size). Decisions depend only on
@@ -389,9 +416,16 @@ class GoodputPolicy:
         tokens = self.snapshot.tokens_per_step
         spec_ms = self.snapshot.table.step_ms(True, padded)
         plain_ms = self.snapshot.table.step_ms(False, padded)
-        if tokens is None or not spec_ms or not plain_ms:
+        if tokens is None:
             return None
-        return Estimates(batch_size, padded, tokens, spec_ms, plain_ms)
+        if spec_ms and plain_ms:
+            return Estimates(batch_size, padded, tokens, spec_ms, plain_ms, padded)
+        deciding = self.snapshot.table.deciding_size(padded, tokens)
+        if deciding is None:
+            return None
+        spec_ms, plain_ms = self.snapshot.table.entries[deciding]
+        assert spec_ms and plain_ms  # deciding_size picks sizes with both costs
+        return Estimates(batch_size, padded, tokens, spec_ms, plain_ms, deciding)
 
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
@@ -494,9 +528,10 @@ class GoodputPolicy:
         self._probe_gap = self.config.probe_gap if self.in_fallback else self.config.probe_gap_max
         self.n_switches += 1
         if self._log is not None:
+            costs_of = "" if est.costs_of == est.padded else f", step costs of bs {est.costs_of}"
             self._log(
                 f"[dynspec] auto: {before} -> {after} at decode bs={est.batch_size} "
-                f"(padded {est.padded}): spec {est.spec_tok_s:.0f} tok/s "
+                f"(padded {est.padded}{costs_of}): spec {est.spec_tok_s:.0f} tok/s "
                 f"({est.tokens_per_step:.2f} tokens/step, {est.spec_ms:.2f} ms/step) vs "
                 f"plain {est.plain_tok_s:.0f} tok/s ({est.plain_ms:.2f} ms/step); "
                 f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
