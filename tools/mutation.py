@@ -93,7 +93,7 @@ TARGETS: dict[str, Target] = {
             "x_effective_batch_size", "x_default_resume_below", "x__decide", "x__is_pure_decode",
             "x__has_grammar", "x_maybe_fallback_v1", "x_maybe_fallback_v2",
             # the auto controller's decisions: goodput by batch size, measured costs, the sync
-            "x_parse_threshold", *_methods("CostTable", "step_ms"),
+            "x_parse_threshold", *_methods("CostTable", "step_ms", "deciding_size"),
             *_methods("Snapshot", "to_wire", "from_wire"), "x_padded_batch_size",
             *_methods("GoodputPolicy", "__init__", "adopt", "estimates", "decide",
                       "_wins_needed", "_at_last_switch_load", "_recent_flaps",
@@ -113,7 +113,12 @@ TARGETS: dict[str, Target] = {
                        "negating one part, or 257 for the floor 256 (below every larger power "
                        "of two), groups the same sizes together")
                       for piece in ("return bs != 1, bs", "bs % 16 != 0, max(", "max(257, 1")),
-                    ("xǁSnapshotǁto_wire", 'float("NAN")', "float() reads nan in any case")),
+                    ("xǁSnapshotǁto_wire", 'float("NAN")', "float() reads nan in any case"),
+                    ("xǁGoodputPolicyǁestimates",
+                     "plain_ms = self.snapshot.table.step_ms(None, padded)",
+                     "step_ms reads None as not speculative, as False"),
+                    ("xǁGoodputPolicyǁestimates", "assert spec_ms or plain_ms", "deciding_size "
+                     "only returns sizes with both costs: the assertion holds either way")),
         why="the controllers (threshold and auto) and the step decisions: whether a step runs "
             "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
             "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
@@ -127,6 +132,7 @@ TARGETS: dict[str, Target] = {
             *_methods("DraftKvWrite", "compute", "_compute", "write", "matches"),
             "x_draft_kv_write_for", "x__prepare_draft_kv_write", "x__draft_state_stub",
             "x__v2_draft", "x__check_draft_kv_write", "x_tp_group_of",
+            "x_sglang_release", "x_on_gpu_proven_release",
         ),
         equivalent=(
             *(("xǁDraftKvWriteǁ_compute", piece, "the tensors are 2-D (rows, width): dim 1 "
@@ -141,8 +147,6 @@ TARGETS: dict[str, Target] = {
               for piece in ('"is_mrope_enabled", None)', '"is_quantized_kv_cache", None)',
                             '"use_hnd", None)')),
             ("x_draft_kv_write_for", '"dcp_size", None)', "None or 1 is 1, the default's value"),
-            ("x__prepare_draft_kv_write", "DRAFT_KV_WRITE_ENV, None)", "lever_on reads the "
-             "default as a truth value: None and False are both false"),
         ),
         why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
             "the check against SGLang's draft-extend, the draft state it hands on; and the TP "

@@ -109,9 +109,12 @@ def test_a_measured_size_decides_beyond_itself_only_where_the_cost_ratio_bounds_
     assert costs.deciding_size(96, 3.0) == 64  # above 64, the largest size with both costs
     assert costs.deciding_size(256, 3.0) == 64
     assert costs.deciding_size(96, 4.5) is None
+    assert costs.deciding_size(96, 4.0) is None  # a tie at 64 (4 / 60 = 1 / 15) decides nothing
+    assert costs.deciding_size(64, 3.0) is None  # measured there: its own costs decide
     # At 16 speculation wins for 2.5 tokens per step (2.5 / 20 > 1 / 10), plain steps for 1.5.
     assert costs.deciding_size(4, 2.5) == 16  # below 16, the smallest size with both costs
     assert costs.deciding_size(4, 1.5) is None
+    assert costs.deciding_size(4, 2.0) is None  # a tie at 16 (2 / 20 = 1 / 10)
     assert costs.deciding_size(32, 3.0) is None  # between measured sizes: interpolated instead
     assert costs.deciding_size(16, 3.0) is None
     assert CostTable({8: (14.0, None)}).deciding_size(96, 1.0) is None  # no size has both
