@@ -147,6 +147,8 @@ TARGETS: dict[str, Target] = {
               for piece in ('"is_mrope_enabled", None)', '"is_quantized_kv_cache", None)',
                             '"use_hnd", None)')),
             ("x_draft_kv_write_for", '"dcp_size", None)', "None or 1 is 1, the default's value"),
+            ("x__prepare_draft_kv_write", "'XX, XX'.join(GPU_PROVEN_RELEASES)", "one release: "
+             "the separator is never written"),
         ),
         why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
             "the check against SGLang's draft-extend, the draft state it hands on; and the TP "

@@ -208,6 +208,16 @@ def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shape
     assert not dyn._adapters[type(world.worker)].draft_state_stale
 
 
+def test_speculation_resumes_at_once_after_the_checked_step(shapes):
+    """The step that checks the write ran SGLang's draft-extend: its draft state is fresh, so
+    a switch back right after it speculates at once (no extra fallback step)."""
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)  # fallback: checked, draft-extend
+    assert dyn._adapters[type(world.worker)].draft_kv_write.checked
+    assert step(world, 1, 11) is None  # the worker's own speculative step
+    assert len(extends(world)) == 1
+
+
 def torch_equal_tokens(result: Any, world: Any) -> bool:
     """The resumed step's draft input is the one its draft-extend filled (not a stub)."""
     (_, last) = extends(world)
@@ -298,7 +308,7 @@ def test_the_release_is_read_from_the_worker_package(tmp_path, monkeypatch):
     assert dyn.sglang_release({"__name__": "withversion.srt.speculative.w"}) == "0.5.17"
     assert dyn.sglang_release({"__name__": "noattr.srt.w"}) is None
     assert dyn.sglang_release({"__name__": "noversion.srt.w"}) is None
-    assert dyn.sglang_release({}) is None
+    assert dyn.sglang_release({"__name__": "notapackage"}) is None
 
 
 # -- what the write is used for --------------------------------------------------------------

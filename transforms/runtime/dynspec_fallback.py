@@ -2094,9 +2094,7 @@ GPU_PROVEN_RELEASES = ("0.5.17",)
 def sglang_release(module_globals: dict[str, Any]) -> str | None:
     """The release the worker module's package says it is (``<package>.version.__version__``,
     as ``sglang.version`` has it), or None where that cannot be read."""
-    package = str(module_globals.get("__name__", "")).partition(".")[0]
-    if not package:
-        return None
+    package = str(module_globals["__name__"]).partition(".")[0]
     try:
         return str(importlib.import_module(f"{package}.version").__version__)
     except Exception:  # no such module or attribute: an unknown release proves nothing
