@@ -41,6 +41,15 @@ def policy_with(tokens_per_step: float, cost_table: CostTable | None = None, **c
     return policy
 
 
+def modes_through(policy: GoodputPolicy, loads) -> list[bool]:
+    """Whether the policy is in fallback after each decision, over the batch sizes ``loads``."""
+    modes = []
+    for bs in loads:
+        policy.decide(bs)
+        modes.append(policy.in_fallback)
+    return modes
+
+
 def settles_in_fallback(tokens_per_step: float, bs: int) -> bool:
     policy = policy_with(tokens_per_step)
     for _ in range(50):
@@ -128,10 +137,7 @@ def test_a_load_bigger_than_any_measured_goes_plain_within_the_dwell_steps():
     confirm = AutoConfig().confirm_steps
     policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES, log=lines.append)
     policy.adopt(Snapshot(2.0, table(sizes=[1, 8, 16, 32, 64])))  # plain wins at 64
-    modes = []
-    for _ in range(2 * confirm):
-        policy.decide(128)
-        modes.append(policy.in_fallback)
+    modes = modes_through(policy, [128] * (2 * confirm))
     assert modes.index(True) == confirm - 1
     assert policy.n_switches == 1
     assert lines[0].startswith(
@@ -153,10 +159,7 @@ def test_a_load_smaller_than_any_measured_speculates_where_it_wins_at_the_smalle
         policy.decide(4)
     assert policy.in_fallback and policy.n_switches == 1
     policy.adopt(Snapshot(4.5, costs))  # at 32 speculation wins (4.5 / 29.2 > 1 / 11.8)
-    modes = []
-    for _ in range(2 * confirm):
-        policy.decide(4)
-        modes.append(policy.in_fallback)
+    modes = modes_through(policy, [4] * (2 * confirm))
     assert modes.index(False) == confirm - 1
     assert policy.n_switches == 2
 
@@ -221,10 +224,7 @@ def test_while_speculating_a_plain_probe_every_1024_steps_refreshes_the_plain_co
 def test_a_burst_switches_within_the_confirm_steps_each_way():
     confirm = AutoConfig().confirm_steps
     policy = policy_with(2.5)
-    modes = []
-    for bs in [1] * 300 + [64] * 300 + [1] * 300:
-        policy.decide(bs)
-        modes.append(policy.in_fallback)
+    modes = modes_through(policy, [1] * 300 + [64] * 300 + [1] * 300)
     assert modes.index(True) == 300 + confirm - 1
     assert all(modes[300 + confirm - 1 : 600])
     assert modes.index(False, 600) == 600 + confirm - 1
@@ -281,10 +281,7 @@ def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_ste
         policy.adopt(Snapshot(2.0, table()))
         if policy.in_fallback == fallback:  # already there: move the other way first
             continue
-        modes = []
-        for _ in range(100):
-            policy.decide(bs)
-            modes.append(policy.in_fallback)
+        modes = modes_through(policy, [bs] * 100)
         # within the dwell steps (wins the other mode had at the old load count too)
         assert modes.index(fallback) <= confirm - 1, bs
 
