@@ -536,6 +536,9 @@ class World:
         if getattr(batch, "seq_lens_cpu", None) is not None:
             batch.seq_lens_cpu.add_(1)
         keep = torch.tensor(unfinished, dtype=torch.int64)
+        self.v1_running = keep
+        if len(unfinished) < bs:  # as SGLang's: the slots of the requests still running
+            batch.out_cache_loc = batch.out_cache_loc[keep]
         next_name = shape.pick("EagleVerifyOutput", VERIFY_OUTPUT_NEXT)
         root = shape.pick("EagleDraftInput", ROOT)
         if next_name == "draft_extend_input":
@@ -666,12 +669,27 @@ class World:
         return draft
 
     def _draft_extend_v1(self, batch: Any) -> Any:
+        """Records the input; with a draft model, stores its KV for the requests still
+        running (their token at position L, slot L: what verify() left in the batch) and,
+        where verify() returns a draft-extend input, returns a draft state as SGLang's."""
         info = batch.spec_info
         self.recorder.add("draft_extend", spec_info=info, seq_lens=batch.seq_lens.clone())
+        runner = self.worker.draft_model_runner
+        tokens = getattr(info, "input_ids", None)
+        if tokens is None:
+            tokens = getattr(info, self.shape.pick("EagleDraftInput", ROOT))
+        if getattr(runner, "model", None) is not None:
+            positions = batch.seq_lens[self.v1_running] - 1
+            runner.model.model.forward_draft_extend(
+                tokens, positions, info.hidden_states, runner.token_to_kv_pool, batch.out_cache_loc
+            )
         if self.shape.has_field("EagleVerifyOutput", "draft_extend_input"):
             root = self.shape.pick("EagleDraftInput", ROOT)
             return self.module.EagleDraftInput(
-                **{root: info.input_ids}, hidden_states=info.hidden_states
+                **{root: info.input_ids},
+                hidden_states=info.hidden_states,
+                topk_p=torch.ones(len(tokens), 1),
+                topk_index=tokens.to(torch.int64)[:, None] + 3,
             )
         return None
 
@@ -1136,7 +1154,9 @@ class MHATokenToKVPool:
 
 def give_draft_model(world: World, **model_kwargs: Any) -> Any:
     """Attach a one-layer EAGLE-3 draft model and a KV pool to ``world``'s draft runner."""
-    runner = world.worker.draft_worker.draft_runner
+    worker = world.worker
+    runner = worker.draft_model_runner if world.shape.variant == "v1" else None
+    runner = runner or worker.draft_worker.draft_runner
     runner.model = types.SimpleNamespace(model=LlamaModel(**model_kwargs))
     runner.token_to_kv_pool = MHATokenToKVPool()
     runner.attn_backend = types.SimpleNamespace(dcp_size=1)

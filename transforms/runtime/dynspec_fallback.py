@@ -4,8 +4,8 @@ When the decode batch is larger than ``--speculative-disable-batch-threshold T``
 worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
 one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
 own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm
-(v2, by default on ``GPU_PROVEN_RELEASES``: ``DraftKvWrite`` stores the draft's K and V alone,
-checked once against it).
+(by default on ``GPU_PROVEN_RELEASES``, v2 and v1 alike: ``DraftKvWrite`` stores the draft's K
+and V alone, checked once against it).
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
 so speculation resumes without special handling.
 
@@ -1671,7 +1671,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     _prepare_decode_graphs(adapter, worker, worker.target_worker)
     if variant == "v2":
         _prepare_draft_extend_width1(adapter, worker)
-        _prepare_draft_kv_write(adapter, worker)
+    _prepare_draft_kv_write(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
@@ -2327,6 +2327,22 @@ def draft_kv_write_for(draft_runner: Any) -> tuple[DraftKvWrite | None, str]:
     return DraftKvWrite(inner, layer, pool), ""
 
 
+V1_NEXT_DRAFT_INPUT_FIELDS = ("topk_p", "topk_index", "hidden_states", "capture_hidden_mode")
+
+
+def _v1_draft_kv_write_refusal(adapter: Adapter) -> str:
+    """Why v1 of this release cannot hand on a draft input after a draft KV write, or ""."""
+    if adapter.names["vo_next_input"] != "draft_extend_input":
+        return "this release's v1 verify hands the next draft input to the draft-extend to fill"
+    fields = _dataclass_field_names(adapter.cls("draft_input_cls"))
+    missing = [f for f in V1_NEXT_DRAFT_INPUT_FIELDS if f not in fields]
+    if missing:
+        return "EagleDraftInput lacks " + ", ".join(missing)
+    if not hasattr(adapter.cls("capture_mode_cls"), "LAST"):
+        return "CaptureHiddenMode lacks LAST"
+    return ""
+
+
 def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
     """Find the draft KV write once per process (checked later, at its first real step)."""
     if not lever_on(DRAFT_KV_WRITE_ENV, on_gpu_proven_release(adapter)):
@@ -2335,7 +2351,10 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
             f"{', '.join(GPU_PROVEN_RELEASES)}, where it has run on a GPU)"
         )
         return
-    kv_write, why = draft_kv_write_for(worker.draft_worker.draft_runner)
+    kv_write, why = None, _v1_draft_kv_write_refusal(adapter) if adapter.variant == "v1" else ""
+    if not why:
+        runner = worker.draft_model_runner if adapter.variant == "v1" else None
+        kv_write, why = draft_kv_write_for(runner or worker.draft_worker.draft_runner)
     if not _all_ranks_agree(adapter.tp_group(worker), kv_write is not None) and kv_write:
         kv_write, why = None, "another TP rank cannot use it"
     if kv_write is None:
@@ -2553,13 +2572,12 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
         ]
     kv_write = adapter.draft_kv_write
     if kv_write is not None:
-        draft = worker.draft_worker
         fc = kv_write.inner.fc
 
         def write_kv(bs: int) -> None:
             rows = torch.zeros(bs, dtype=torch.int64, device=fc.weight.device)  # slot 0: padding
             hidden = torch.zeros(bs, fc.in_features, dtype=fc.weight.dtype, device=rows.device)
-            with _draft_contexts(adapter, *_v2_draft_tp(adapter, draft)):
+            with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
                 kv_write.write(rows, hidden, rows, rows)
 
         sizes = adapter.decode_graphs.batch_sizes if adapter.decode_graphs else []
@@ -2947,7 +2965,13 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     if _has_grammar(batch) and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
-        return _auto_spec_step(worker, adapter, batch, {})
+        if not adapter.draft_state_stale:
+            return _auto_spec_step(worker, adapter, batch, {})
+        # The last step handed on no draft state to draft from: one more fallback step, with
+        # SGLang's draft-extend (not timed), as on v2.
+        if isinstance(adapter.controller, AutoController):
+            adapter.controller.policy.defer_speculation()
+        return _v1_step(worker, adapter, batch, full_draft=True)
     started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
     result = _v1_step(worker, adapter, batch)
@@ -2956,10 +2980,11 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     return result
 
 
-def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
+def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False) -> Any:
     import torch
 
     names = adapter.names
+    draft_input = batch.spec_info
     # (a) the non-allocating half of the worker's _draft_preprocess_decode
     if names["evict_swa"] is not None:
         batch.maybe_evict_swa()
@@ -2975,6 +3000,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
     # (b)+(c) one-node verify input; its prepare_for_verify allocates one slot per request
     vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
     vi.prepare_for_verify(batch, worker.page_size)
+    slots = batch.out_cache_loc  # one per request; verify() rebinds the batch's
     batch.return_hidden_states = False
     batch.spec_info = vi
 
@@ -2997,7 +3023,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
         vocab_mask = _grammar_mask(adapter, batch, vi, root.device)
 
     # (e) SGLang's own bookkeeping: sample, append, finish, grammar, KV accounting, seq_lens
-    vi.hidden_states = logits_output.hidden_states
+    hidden = vi.hidden_states = logits_output.hidden_states
     verify_args = [batch, logits_output, worker.token_to_kv_pool_allocator, worker.page_size]
     if names["verify_vocab_mask"] is not None:
         verify_args.append(vocab_mask)
@@ -3013,24 +3039,13 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
             worker.add_logprob_values(batch, res, logits_output)
     adapter.profiler.mark("verify")
 
-    # (f) draft KV sync + fresh draft state through the worker's own draft-extend
-    next_input = getattr(res, adapter.name("vo_next_input"))
-    with _draft_contexts(adapter, worker.draft_tp_context, worker.draft_model_runner.tp_group):
-        if names["vo_next_input"] == "draft_extend_input":
-            if next_input.input_ids.shape[0] > 0:
-                batch.spec_info = next_input
-                batch.spec_info = worker.forward_draft_extend_after_decode(batch)
-            else:
-                worker._draft_preprocess_idle(batch)
-        else:
-            batch.spec_info = next_input
-            root_after = getattr(next_input, adapter.name("root_field"), None)
-            if root_after is not None and root_after.shape[0] > 0:
-                worker.forward_draft_extend_after_decode(batch)
-    adapter.profiler.mark("draft_extend")
+    # (f) draft KV sync: the draft KV write alone, or the worker's own draft-extend (which
+    #     also makes a fresh draft state)
+    tokens = getattr(res, adapter.name("vo_tokens"))
+    phase = _v1_draft(worker, adapter, batch, res, draft_input, tokens, hidden, slots, full_draft)
+    adapter.profiler.mark(phase)
 
     # (g) the same result contract as the speculative path, with zero accepted drafts
-    tokens = getattr(res, adapter.name("vo_tokens"))
     if adapter.tuple_arity is not None:
         result = (logits_output, tokens, mwb.bid, 0, can_run_graph)
         return result[: adapter.tuple_arity]
@@ -3043,6 +3058,81 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any) -> Any:
     if names["gbr_per_req"] is not None:
         kwargs[names["gbr_per_req"]] = list(getattr(res, adapter.name("vo_per_req")))
     return adapter.cls("result_cls")(**kwargs)
+
+
+def _v1_draft(
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    res: Any,
+    draft_input: Any,
+    tokens: Any,
+    hidden: Any,
+    slots: Any,
+    full_draft: bool,
+) -> str:
+    """The draft's part of a v1 fallback step, after verify(); the phase it ran.
+
+    As on v2 (``_v2_draft``): once checked, the draft KV write alone, and the next draft input
+    carries the incoming draft state of the requests still running (never drafted from);
+    else, and always where ``full_draft``, the worker's draft-extend. The check needs a step
+    in which no request finished (SGLang's draft-extend then stores every row).
+    """
+    next_input = getattr(res, adapter.name("vo_next_input"))
+    kv_write = adapter.draft_kv_write
+    rows = next_input.input_ids.shape[0] if kv_write is not None else 0
+    stub = None
+    if kv_write is not None and not kv_write.broken and not full_draft and rows > 0:
+        stub = _draft_state_stub(draft_input)
+    tp = _draft_tp(adapter, worker)
+    if kv_write is None or stub is None or not (kv_write.checked or rows == len(batch.reqs)):
+        _v1_draft_extend(worker, adapter, batch, next_input, tp)
+        adapter.draft_state_stale = False
+        return "draft_extend"
+    positions = batch.seq_lens - 1  # verify() advanced them by the one token
+    if kv_write.checked:
+        with _draft_contexts(adapter, *tp):
+            kv_write.write(tokens, hidden, positions, slots)
+        if rows != len(batch.reqs):  # as verify() filtered the draft-extend input
+            import torch
+
+            running = [i for i, req in enumerate(batch.reqs) if not req.finished()]
+            keep = torch.tensor(running, dtype=torch.int64, device=tokens.device)
+            stub = tuple(t[keep] for t in stub)
+        topk_p, topk_index, draft_hidden = stub
+        batch.spec_info = adapter.cls("draft_input_cls")(
+            **{adapter.name("root_field"): next_input.input_ids},
+            topk_p=topk_p,
+            topk_index=topk_index,
+            hidden_states=draft_hidden,
+            capture_hidden_mode=adapter.cls("capture_mode_cls").LAST,
+        )
+        adapter.draft_state_stale = True
+        return "draft_kv_write"
+    with _draft_contexts(adapter, *tp):
+        mine = kv_write.compute(tokens, hidden, positions)
+    _v1_draft_extend(worker, adapter, batch, next_input, tp)
+    adapter.draft_state_stale = False
+    _check_draft_kv_write(worker, adapter, kv_write, mine, slots)
+    return "draft_extend"
+
+
+def _v1_draft_extend(
+    worker: Any, adapter: Adapter, batch: Any, next_input: Any, tp: tuple[Any, Any]
+) -> None:
+    """Draft KV sync + fresh draft state through the worker's own draft-extend."""
+    with _draft_contexts(adapter, *tp):
+        if adapter.names["vo_next_input"] == "draft_extend_input":
+            if next_input.input_ids.shape[0] > 0:
+                batch.spec_info = next_input
+                batch.spec_info = worker.forward_draft_extend_after_decode(batch)
+            else:
+                worker._draft_preprocess_idle(batch)
+        else:
+            batch.spec_info = next_input
+            root_after = getattr(next_input, adapter.name("root_field"), None)
+            if root_after is not None and root_after.shape[0] > 0:
+                worker.forward_draft_extend_after_decode(batch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -3205,7 +3295,7 @@ def _v2_draft(
         adapter.draft_state_stale = False
         return phase
     loc = slots[:, 0].contiguous()
-    tp = _v2_draft_tp(adapter, worker.draft_worker)
+    tp = _draft_tp(adapter, worker)
     if kv_write.checked:
         with _draft_contexts(adapter, *tp):
             kv_write.write(predict, hidden, batch.seq_lens, loc)
@@ -3389,6 +3479,13 @@ def _v2_grammar_mask(adapter: Adapter, batch: Any, vi: Any, grammar_barrier: Any
         device=next_token.device,
         barrier=grammar_barrier,
     )
+
+
+def _draft_tp(adapter: Adapter, worker: Any) -> tuple[Callable[[Any], Any], Any]:
+    """(context factory, its argument) for the draft TP context of either worker."""
+    if adapter.variant == "v1":
+        return worker.draft_tp_context, worker.draft_model_runner.tp_group
+    return _v2_draft_tp(adapter, worker.draft_worker)
 
 
 def _v2_draft_tp(adapter: Adapter, draft: Any) -> tuple[Callable[[Any], Any], Any]:
