@@ -280,7 +280,7 @@ def test_off_unless_turned_on_or_on_a_release_it_ran_on(shapes, monkeypatch, val
     adapter = dyn._adapters[type(world.worker)]
     assert adapter.draft_kv_write is None
     assert adapter.draft_kv_write_note.startswith("off (DYNSPEC_DRAFT_KV_WRITE=1")
-    assert "only on SGLang 0.5.17," in adapter.draft_kv_write_note
+    assert "only on SGLang 0.5.12.post1, 0.5.17," in adapter.draft_kv_write_note
 
 
 def test_on_by_default_on_a_release_it_ran_on(shapes, monkeypatch):

@@ -206,17 +206,31 @@ def test_every_request_finishing_installs_the_idle_input(shapes):
     assert not adapter_of(world).draft_state_stale
 
 
-def test_off_by_default_on_a_release_it_has_not_run_on(shapes, monkeypatch):
+@pytest.mark.parametrize(("release", "on"), [(RELEASE, True), ("0.5.11", False), (None, False)])
+def test_on_by_default_only_on_a_release_it_ran_on(shapes, monkeypatch, release, on):
     from tests.runtime.standins import package_says_release
 
     monkeypatch.delenv(dyn.DRAFT_KV_WRITE_ENV)
+    world = make_world(shapes)
+    if release is not None:
+        package_says_release(monkeypatch, world, release)
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert len(extends(world)) == (1 if on else 2)
+    assert (adapter_of(world).draft_kv_write is not None) is on
+    if not on:
+        assert adapter_of(world).draft_kv_write_note.startswith("off (DYNSPEC_DRAFT_KV_WRITE=1")
+
+
+def test_zero_turns_it_off_where_it_ran(shapes, monkeypatch):
+    from tests.runtime.standins import package_says_release
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "0")
     world = make_world(shapes)
     package_says_release(monkeypatch, world, RELEASE)
     step(world, 3, 10)
     step(world, 3, 11)
     assert len(extends(world)) == 2
-    assert adapter_of(world).draft_kv_write is None
-    assert adapter_of(world).draft_kv_write_note.startswith("off (DYNSPEC_DRAFT_KV_WRITE=1")
 
 
 def test_a_release_whose_verify_returns_the_next_draft_input_keeps_the_draft_extend(

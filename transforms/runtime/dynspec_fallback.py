@@ -2089,6 +2089,9 @@ def lever_on(env: str, proven: bool) -> bool:
 # start-up warm-up, draft KV write) have run on an H200 with greedy outputs checked on the
 # crafted models and the strict KV check on (0.5.17: 2026-12-01 and 2026-12-02, RESULTS.md).
 GPU_PROVEN_RELEASES = ("0.5.17",)
+# Where the draft KV write has run on an H200, v1 and v2, bit for bit at its check and with 0
+# mismatched greedy tokens (strict KV check on): 0.5.12.post1 (2026-12-02) and 0.5.17.
+DRAFT_KV_WRITE_RELEASES = ("0.5.12.post1", *GPU_PROVEN_RELEASES)
 
 
 def sglang_release(module_globals: dict[str, Any]) -> str | None:
@@ -2101,9 +2104,11 @@ def sglang_release(module_globals: dict[str, Any]) -> str | None:
         return None
 
 
-def on_gpu_proven_release(adapter: Adapter) -> bool:
-    """Whether this server's SGLang is one of ``GPU_PROVEN_RELEASES``."""
-    return sglang_release(adapter.module_globals) in GPU_PROVEN_RELEASES
+def on_gpu_proven_release(
+    adapter: Adapter, releases: tuple[str, ...] = GPU_PROVEN_RELEASES
+) -> bool:
+    """Whether this server's SGLang is one of ``releases`` (``GPU_PROVEN_RELEASES``)."""
+    return sglang_release(adapter.module_globals) in releases
 
 
 def replays_with_replay(runner_cls: Any) -> bool:
@@ -2189,7 +2194,7 @@ def draft_extend_width1_mode(draft: Any, graphs: Width1DraftExtend) -> Iterator[
 
 
 # --------------------------------------------------------------------------------------------
-# v2: a fallback step writes the draft's KV and runs nothing else of the draft
+# v1 and v2: a fallback step writes the draft's KV and runs nothing else of the draft
 # --------------------------------------------------------------------------------------------
 
 # "1" / "0" turn the draft KV write on / off; unset: on where it has run on a GPU (``lever_on``).
@@ -2345,10 +2350,10 @@ def _v1_draft_kv_write_refusal(adapter: Adapter) -> str:
 
 def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
     """Find the draft KV write once per process (checked later, at its first real step)."""
-    if not lever_on(DRAFT_KV_WRITE_ENV, on_gpu_proven_release(adapter)):
+    if not lever_on(DRAFT_KV_WRITE_ENV, on_gpu_proven_release(adapter, DRAFT_KV_WRITE_RELEASES)):
         adapter.draft_kv_write_note = (
             f"off ({DRAFT_KV_WRITE_ENV}=1 turns it on; by default only on SGLang "
-            f"{', '.join(GPU_PROVEN_RELEASES)}, where it has run on a GPU)"
+            f"{', '.join(DRAFT_KV_WRITE_RELEASES)}, where it has run on a GPU)"
         )
         return
     kv_write, why = None, _v1_draft_kv_write_refusal(adapter) if adapter.variant == "v1" else ""
