@@ -116,6 +116,7 @@ def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, c
     assert next_input.topk_index.flatten().tolist() == [7, 8, 9]
     assert next_input.hidden_states[:, 0].tolist() == [0.0, 1.0, 2.0]
     assert next_input.capture_hidden_mode.name == "LAST"
+    assert world.batch.input_ids.tolist() == result.next_token_ids.tolist()
     assert adapter_of(world).draft_state_stale
 
 

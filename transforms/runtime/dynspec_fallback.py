@@ -3112,6 +3112,7 @@ def _v1_draft(
             hidden_states=draft_hidden,
             capture_hidden_mode=adapter.cls("capture_mode_cls").LAST,
         )
+        batch.input_ids = next_input.input_ids  # as the draft-extend's prepare leaves it
         adapter.draft_state_stale = True
         return "draft_kv_write"
     with _draft_contexts(adapter, *tp):
