@@ -62,7 +62,8 @@ RANK = textwrap.dedent(
         controller.finish_step(started, not fallback, bs, None if fallback else lambda: tokens)
         decisions.append(fallback)
     print(json.dumps({"decisions": decisions, "switches": controller.policy.n_switches,
-                      "syncs": controller.n_syncs}))
+                      "syncs": controller.n_syncs}), flush=True)
+    dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
     """
 )

@@ -366,7 +366,8 @@ rank, world, port, ok = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.arg
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world)
 group = types.SimpleNamespace(world_size=world, cpu_group=dist.group.WORLD)
-print(dyn._all_ranks_agree(group, ok))
+print(dyn._all_ranks_agree(group, ok), flush=True)
+dist.barrier()  # neither rank tears the group down while the other still uses it
 dist.destroy_process_group()
 """
 
