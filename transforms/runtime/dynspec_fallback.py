@@ -2356,10 +2356,8 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
             f"{', '.join(DRAFT_KV_WRITE_RELEASES)}, where it has run on a GPU)"
         )
         return
-    kv_write, why = None, _v1_draft_kv_write_refusal(adapter) if adapter.variant == "v1" else ""
-    if not why:
-        runner = worker.draft_model_runner if adapter.variant == "v1" else None
-        kv_write, why = draft_kv_write_for(runner or worker.draft_worker.draft_runner)
+    why = _v1_draft_kv_write_refusal(adapter) if adapter.variant == "v1" else ""
+    kv_write, why = (None, why) if why else draft_kv_write_for(_draft_runner(adapter, worker))
     if not _all_ranks_agree(adapter.tp_group(worker), kv_write is not None) and kv_write:
         kv_write, why = None, "another TP rank cannot use it"
     if kv_write is None:
@@ -2908,6 +2906,20 @@ def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str,
     return result
 
 
+def _needs_a_fresh_draft_state(adapter: Adapter) -> bool:
+    """Whether a step that would speculate runs one more fallback step first, with SGLang's
+    draft-extend: the last step handed on no draft state to draft from (a draft KV write).
+
+    That step is not timed (it is neither kind of step ``auto`` measures); ``auto`` runs the
+    speculative step it wanted at the next step.
+    """
+    if not adapter.draft_state_stale:
+        return False
+    if isinstance(adapter.controller, AutoController):
+        adapter.controller.policy.defer_speculation()
+    return True
+
+
 def _no_acceptance() -> float:
     """A speculative step whose acceptance cannot be read (0: the measurements skip it)."""
     return 0.0
@@ -2970,12 +2982,8 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     if _has_grammar(batch) and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
-        if not adapter.draft_state_stale:
+        if not _needs_a_fresh_draft_state(adapter):
             return _auto_spec_step(worker, adapter, batch, {})
-        # The last step handed on no draft state to draft from: one more fallback step, with
-        # SGLang's draft-extend (not timed), as on v2.
-        if isinstance(adapter.controller, AutoController):
-            adapter.controller.policy.defer_speculation()
         return _v1_step(worker, adapter, batch, full_draft=True)
     started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
@@ -3166,13 +3174,8 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
     on_publish, grammar_barrier = kwargs.get("on_publish"), kwargs.get("grammar_barrier")
     if not _decide(adapter, batch):
-        if not adapter.draft_state_stale:
+        if not _needs_a_fresh_draft_state(adapter):
             return _auto_spec_step(worker, adapter, batch, kwargs)
-        # The last step handed on no draft state to draft from: one more fallback step, with
-        # SGLang's draft-extend (not timed: it is neither kind of step auto measures); auto
-        # runs the speculative step it wanted at the next step.
-        if isinstance(adapter.controller, AutoController):
-            adapter.controller.policy.defer_speculation()
         return _v2_step(worker, adapter, batch, on_publish, grammar_barrier, full_draft=True)
     started = _auto_start(adapter)
     adapter.profiler.start(len(batch.seq_lens), batch.seq_lens.device)
@@ -3487,10 +3490,17 @@ def _v2_grammar_mask(adapter: Adapter, batch: Any, vi: Any, grammar_barrier: Any
     )
 
 
+def _draft_runner(adapter: Adapter, worker: Any) -> Any:
+    """The draft model runner of either worker."""
+    if adapter.variant == "v1":
+        return worker.draft_model_runner
+    return worker.draft_worker.draft_runner
+
+
 def _draft_tp(adapter: Adapter, worker: Any) -> tuple[Callable[[Any], Any], Any]:
     """(context factory, its argument) for the draft TP context of either worker."""
     if adapter.variant == "v1":
-        return worker.draft_tp_context, worker.draft_model_runner.tp_group
+        return worker.draft_tp_context, _draft_runner(adapter, worker).tp_group
     return _v2_draft_tp(adapter, worker.draft_worker)
 
 
