@@ -1152,11 +1152,17 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
 
+def draft_runner(world: World) -> Any:
+    """The draft model runner of ``world``'s worker (v1: the worker's own, v2: its draft
+    worker's)."""
+    if world.shape.variant == "v1":
+        return world.worker.draft_model_runner
+    return world.worker.draft_worker.draft_runner
+
+
 def give_draft_model(world: World, **model_kwargs: Any) -> Any:
     """Attach a one-layer EAGLE-3 draft model and a KV pool to ``world``'s draft runner."""
-    worker = world.worker
-    runner = worker.draft_model_runner if world.shape.variant == "v1" else None
-    runner = runner or worker.draft_worker.draft_runner
+    runner = draft_runner(world)
     runner.model = types.SimpleNamespace(model=LlamaModel(**model_kwargs))
     runner.token_to_kv_pool = MHATokenToKVPool()
     runner.attn_backend = types.SimpleNamespace(dcp_size=1)
@@ -1170,3 +1176,25 @@ def package_says_release(monkeypatch: Any, world: World, release: str) -> None:
     version.__version__ = release  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, world.module.__name__, world.module)
     monkeypatch.setitem(sys.modules, version.__name__, version)
+
+
+def reference_draft_kv(world: World, seq_len: int, bs: int) -> tuple[Any, Any, Any]:
+    """(slots, K, V) the stand-in draft model's own draft-extend stores for the rows of a
+    fallback step at ``bs`` requests of length ``seq_len``: the target's token after each
+    root, at position L, in the slot the step took for L."""
+    batch = world._make_batch(bs, seq_len, 100)
+    roots = getattr(batch.spec_info, "bonus_tokens", None)
+    if roots is None:
+        roots = batch.spec_info.verified_id
+    predicted = target_logits(roots).argmax(-1)
+    slots = world.req_to_token[batch.req_pool_indices, seq_len].to(torch.int64)
+    pool = MHATokenToKVPool()
+    model = draft_runner(world).model.model
+    model.forward_draft_extend(predicted, batch.seq_lens, target_hidden(roots), pool, slots)
+    return slots, pool.k_buffer[0][slots], pool.v_buffer[0][slots]
+
+
+def stored_draft_kv(world: World, slots: Any) -> tuple[Any, Any]:
+    """(K, V) the draft runner's KV pool holds at ``slots``."""
+    pool = draft_runner(world).token_to_kv_pool
+    return pool.k_buffer[0][slots], pool.v_buffer[0][slots]

@@ -77,39 +77,18 @@ def extends(world: Any) -> list[dict[str, Any]]:
     return [data for name, data in world.recorder.events if name == "draft_extend_v2"]
 
 
-def reference_kv(world: Any, seq_len: int, bs: int) -> tuple[Any, Any, Any]:
-    """(slots, K, V) the stand-in model's own draft-extend stores for a fallback step's row."""
-    import torch
-
-    from tests.runtime.standins import MHATokenToKVPool, target_hidden, target_logits
-
-    batch = world._make_batch(bs, seq_len, 100)
-    roots = batch.spec_info.bonus_tokens if hasattr(batch.spec_info, "bonus_tokens") else None
-    if roots is None:
-        roots = batch.spec_info.verified_id
-    predicted = target_logits(roots).argmax(-1)
-    slots = world.req_to_token[batch.req_pool_indices, seq_len].to(torch.int64)
-    pool = MHATokenToKVPool()
-    model = world.worker.draft_worker.draft_runner.model.model
-    model.forward_draft_extend(predicted, batch.seq_lens, target_hidden(roots), pool, slots)
-    return slots, pool.k_buffer[0][slots], pool.v_buffer[0][slots]
-
-
-def stored(world: Any, slots: Any) -> tuple[Any, Any]:
-    pool = world.worker.draft_worker.draft_runner.token_to_kv_pool
-    return pool.k_buffer[0][slots], pool.v_buffer[0][slots]
-
-
 def assert_the_second_step_wrote_the_kv_alone(world: Any) -> None:
     """Step 1 checks the write (SGLang's draft-extend runs); step 2 stores the draft KV alone,
     what the stand-in model's own draft-extend would have stored."""
     import torch
 
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
+
     step(world, 3, 10)
     step(world, 3, 11)
     assert len(extends(world)) == 1
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
+    slots, k, v = reference_draft_kv(world, 11, 3)
+    got_k, got_v = stored_draft_kv(world, slots)
     assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
     assert k.abs().sum() > 0  # the rows were written, not left at zero
 
@@ -132,6 +111,8 @@ def second_step_runs_the_draft_extend(world: Any, change: Callable[[Any], None])
 def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, version, caplog):
     import torch
 
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
+
     world = make_world(shapes, version)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
         step(world, 3, 10)  # checks the write against SGLang's draft-extend
@@ -139,8 +120,8 @@ def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, v
 
     assert len(extends(world)) == 1
     assert "draft KV write matches SGLang's draft-extend at bs=3" in caplog.text
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
+    slots, k, v = reference_draft_kv(world, 11, 3)
+    got_k, got_v = stored_draft_kv(world, slots)
     assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
     assert k.abs().sum() > 0  # the row was written, not left at zero
     # The draft state handed on is the incoming one (never drafted from).
@@ -229,13 +210,15 @@ def torch_equal_tokens(result: Any, world: Any) -> bool:
 def test_a_width1_server_also_writes_the_kv_alone_once_checked(shapes):
     import torch
 
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
+
     world = make_world(shapes, "0.5.12.post1", width1=True)
     step(world, 3, 10)
     result = step(world, 3, 11)
     assert [e["width"] for e in extends(world)] == [1]
     assert result.speculative_num_draft_tokens == 1  # unpadded: nothing reads row i * N
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
+    slots, k, v = reference_draft_kv(world, 11, 3)
+    got_k, got_v = stored_draft_kv(world, slots)
     assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
 
 

@@ -72,30 +72,10 @@ def adapter_of(world: Any) -> dyn.Adapter:
     return dyn._adapters[type(world.worker)]
 
 
-def reference_kv(world: Any, seq_len: int, bs: int) -> tuple[Any, Any, Any]:
-    """(slots, K, V) the stand-in model's own draft-extend stores for a fallback step's rows:
-    the target's token after each root, at position L, in the slot verify took for L."""
-    import torch
-
-    from tests.runtime.standins import MHATokenToKVPool, target_hidden, target_logits
-
-    batch = world._make_batch(bs, seq_len, 100)
-    roots = batch.spec_info.bonus_tokens
-    predicted = target_logits(roots).argmax(-1)
-    slots = world.req_to_token[batch.req_pool_indices, seq_len].to(torch.int64)
-    pool = MHATokenToKVPool()
-    model = world.worker.draft_model_runner.model.model
-    model.forward_draft_extend(predicted, batch.seq_lens, target_hidden(roots), pool, slots)
-    return slots, pool.k_buffer[0][slots], pool.v_buffer[0][slots]
-
-
-def stored(world: Any, slots: Any) -> tuple[Any, Any]:
-    pool = world.worker.draft_model_runner.token_to_kv_pool
-    return pool.k_buffer[0][slots], pool.v_buffer[0][slots]
-
-
 def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, caplog):
     import torch
+
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
 
     world = make_world(shapes)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
@@ -104,8 +84,8 @@ def test_after_one_checked_step_fallback_steps_write_only_the_draft_kv(shapes, c
 
     assert len(extends(world)) == 1
     assert "draft KV write matches SGLang's draft-extend at bs=3" in caplog.text
-    slots, k, v = reference_kv(world, 11, 3)
-    got_k, got_v = stored(world, slots)
+    slots, k, v = reference_draft_kv(world, 11, 3)
+    got_k, got_v = stored_draft_kv(world, slots)
     assert torch.allclose(got_k, k) and torch.allclose(got_v, v)
     assert k.abs().sum() > 0  # the rows were written, not left at zero
     # The next draft input: rooted at this step's tokens, with the incoming draft state.
@@ -125,6 +105,8 @@ def test_a_request_that_finishes_is_dropped_from_the_next_draft_input(shapes):
     requests', in order, with their own incoming draft state."""
     import torch
 
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
+
     world = make_world(shapes)
     step(world, 3, 10)
     result = step(world, 3, 11, finishing=(1,))
@@ -135,8 +117,8 @@ def test_a_request_that_finishes_is_dropped_from_the_next_draft_input(shapes):
     assert next_input.bonus_tokens.tolist() == [tokens[0], tokens[2]]
     assert next_input.topk_index.flatten().tolist() == [7, 9]
     assert next_input.hidden_states[:, 0].tolist() == [0.0, 2.0]
-    slots, k, _ = reference_kv(world, 11, 3)
-    got_k, _ = stored(world, slots[[0, 2]])
+    slots, k, _ = reference_draft_kv(world, 11, 3)
+    got_k, _ = stored_draft_kv(world, slots[[0, 2]])
     assert torch.allclose(got_k, k[[0, 2]])
 
 
