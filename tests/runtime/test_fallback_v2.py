@@ -118,6 +118,43 @@ def test_stride_and_new_seq_lens_travel_where_each_release_reads_them(shapes):
             assert torch.equal(result.next_draft_input.allocate_lens, allocate)
 
 
+def test_verify_done_is_recorded_before_the_target_forward_after_new_seq_lens(
+    shapes, monkeypatch
+):
+    # <= 0.5.12.post1's scheduler waits on verify_done before it prepares the next batch; an
+    # event recorded after the target forward would keep the GPU idle while it prepares.
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    world = make_world(shapes, "0.5.12.post1", batch_size=2, seq_len=7)
+    timeline: list[object] = []
+
+    class RecordedEvent:
+        def record(self) -> None:
+            timeline.append("verify_done")
+            world.recorder.add("verify_done")
+
+    class Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            timeline.append(out)
+            return out
+
+    device_module = torch.get_device_module(world.batch.seq_lens.device)
+    monkeypatch.setattr(device_module, "Event", RecordedEvent)
+    with Ops():
+        result = run(world)
+
+    new_seq_lens = result.next_draft_input.new_seq_lens
+    assert new_seq_lens.tolist() == [8, 8]
+    assert result.next_draft_input.verify_done is not None
+    made_at = next(i for i, x in enumerate(timeline) if x is new_seq_lens)
+    assert made_at < timeline.index("verify_done")
+    names = world.recorder.names()
+    assert names.count("verify_done") == 1
+    assert names.index("verify_done") < names.index("target_forward")
+
+
 def test_on_publish_gets_new_seq_lens_before_the_draft_extend(shapes):
     world = make_world(shapes, "0.5.13.post1", batch_size=2, seq_len=5)
     published = []

@@ -3213,6 +3213,14 @@ def _v2_step(
             if tensor is not None:
                 tensor.record_stream(stream)
 
+    # A one-node tree accepts one token per request, so the lengths after this step are
+    # known before it runs. Where the scheduler waits on ``verify_done`` before it prepares
+    # the next batch (<= 0.5.12.post1), record it now: SGLang records it after its verify's
+    # sampling, and then its draft's work hides the scheduler's; a fallback step has almost
+    # no draft work after sampling, so the GPU would idle while the scheduler prepares.
+    new_seq_lens = batch.seq_lens + 1
+    verify_done = _event_recorded(device) if adapter.names["di_verify_done"] else None
+
     # The scheduler over-allocated >= stride slots from L on; read them (never allocate).
     req_to_token = worker.req_to_token_pool.req_to_token
     offsets = batch.seq_lens.to(torch.int64)[:, None] + torch.arange(stride, device=device)
@@ -3251,7 +3259,6 @@ def _v2_step(
     tokens = predict if out_stride == 1 else _rows_padded(predict, stride)
     if batch.return_logprob:
         _v2_logprobs(worker, adapter, batch, logits_output, predict, bs)
-    new_seq_lens = batch.seq_lens + accept_lens
     result = _v2_result(
         adapter,
         draft_input,
@@ -3259,6 +3266,7 @@ def _v2_step(
         tokens,
         accept_lens,
         new_seq_lens,
+        verify_done,
         can_run_graph,
         out_stride,
         keep_alive=decode_batch,
@@ -3348,6 +3356,15 @@ def _check_draft_kv_write(
         f"[dynspec] draft KV write differs from SGLang's draft-extend at bs={bs} ({detail}); "
         "fallback steps keep SGLang's draft-extend"
     )
+
+
+def _event_recorded(device: Any) -> Any:
+    """A device event recorded now on the current stream."""
+    import torch
+
+    event = torch.get_device_module(device).Event()
+    event.record()
+    return event
 
 
 def _host_seq_lens_sum(batch: Any, seq_lens_cpu: Any, extra: int) -> int | None:
@@ -3545,6 +3562,7 @@ def _v2_result(
     padded_tokens: Any,
     accept_lens: Any,
     new_seq_lens: Any,
+    verify_done: Any,
     can_run_graph: bool,
     stride: int,
     keep_alive: Any,
@@ -3566,10 +3584,8 @@ def _v2_result(
         result_kwargs["new_seq_lens"] = new_seq_lens
     else:
         next_kwargs["new_seq_lens"] = new_seq_lens
-    if names["di_verify_done"] is not None:
-        done = torch.get_device_module(padded_tokens.device).Event()
-        done.record()
-        next_kwargs["verify_done"] = done
+    if verify_done is not None:
+        next_kwargs["verify_done"] = verify_done
     if names["gbr_allocate_lens"] is not None:
         next_kwargs["allocate_lens"] = draft_input.allocate_lens
         result_kwargs["allocate_lens"] = draft_input.allocate_lens
