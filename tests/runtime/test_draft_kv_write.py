@@ -427,7 +427,10 @@ def test_before_its_first_step_the_note_says_it_is_not_yet_checked(shapes):
     world.batch.forward_mode = Extend()
     assert dyn.maybe_fallback_v2(world.worker, world.batch) is None
     adapter = dyn._adapters[type(world.worker)]
-    assert adapter.draft_kv_write_note == "draft KV write (checked at the first fallback step)"
+    assert adapter.draft_kv_write_note == (
+        "draft KV write (checked at the first fallback step; eager, as the target's fallback "
+        "forwards)"
+    )
 
 
 def test_a_later_rank_logs_nothing(shapes, caplog):

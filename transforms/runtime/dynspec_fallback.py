@@ -2202,6 +2202,59 @@ DRAFT_KV_WRITE_ENV = "DYNSPEC_DRAFT_KV_WRITE"
 # The draft KV write's result matches SGLang's draft-extend when no element of K or V differs
 # by more than this fraction of the largest magnitude there (bf16 GEMMs of another shape).
 KV_MATCH_TOLERANCE = 0.02
+# "0" runs the draft KV write eagerly (diagnostics); otherwise it replays a CUDA graph per
+# batch size, wherever the target's DECODE graphs are (one rank per server only).
+DRAFT_KV_WRITE_GRAPHS_ENV = "DYNSPEC_DRAFT_KV_WRITE_GRAPHS"
+
+# capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
+# same tensors.
+GraphCapture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
+
+
+def graph_capture(device: Any) -> GraphCapture | None:
+    """A CUDA graph capturer for ``device`` (None off CUDA); its graphs share one memory pool.
+
+    Each body runs once eagerly first (lazy initialisation, kernel compiles), then is captured
+    after a device synchronisation, as SGLang's own graph runners do.
+    """
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        body()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = body()
+        return graph.replay, out
+
+    return capture
+
+
+@dataclass
+class _WriteGraph:
+    """The draft KV write of ``size`` rows as one graph, and the tensors it reads and fills."""
+
+    replay: Callable[[], None]
+    tokens: Any
+    hidden: Any
+    positions: Any
+    loc: Any
+    k: Any
+    v: Any
+
+    def run(self, tokens: Any, hidden: Any, positions: Any, loc: Any) -> tuple[Any, Any]:
+        bs = tokens.shape[0]
+        self.tokens[:bs].copy_(tokens)
+        self.hidden[:bs].copy_(hidden)
+        self.positions[:bs].copy_(positions)
+        self.loc.zero_()  # padding rows store into slot 0, which SGLang never hands out
+        self.loc[:bs].copy_(loc)
+        self.replay()
+        return self.k[:bs], self.v[:bs]
 
 
 @dataclass
@@ -2218,6 +2271,10 @@ class DraftKvWrite:
     ``checked`` turns True once a real step's result matched what SGLang's own draft-extend
     stored for the same rows (``matches``); until then every fallback step runs SGLang's
     draft-extend, and a mismatch (``broken``) keeps it for the rest of the process.
+
+    Run eagerly, its dozen small kernels cost 0.6-0.8 ms of host time per step (H200,
+    2026-12-02), in a step whose host time bounds the server; with ``capture`` it replays one
+    graph per size of ``graph_sizes`` instead, captured at the first step of that size.
     """
 
     inner: Any  # the draft model's LlamaModel: embed_tokens, fc, its norms, layers
@@ -2225,6 +2282,11 @@ class DraftKvWrite:
     pool: Any  # the draft runner's token_to_kv_pool
     checked: bool = False
     broken: str = ""
+    capture: GraphCapture | None = None
+    graph_sizes: list[int] = dataclasses.field(default_factory=list)
+    graphs: dict[int, _WriteGraph] = dataclasses.field(default_factory=dict)
+    warn: Callable[[str], None] | None = None  # says once that a capture failed
+    runs: str = "eager"  # how it runs, in words
 
     @property
     def attn(self) -> Any:
@@ -2258,9 +2320,57 @@ class DraftKvWrite:
             v.view(-1, attn.tp_v_head_num, attn.v_head_dim),
         )
 
-    def write(self, tokens: Any, hidden: Any, positions: Any, loc: Any) -> None:
+    def write(self, tokens: Any, hidden: Any, positions: Any, loc: Any) -> tuple[Any, Any]:
+        """Store the draft's K and V for ``tokens`` at ``loc``, and return them.
+
+        Through the graph of the smallest size that holds the batch, else eagerly.
+        """
+        graph = self._graph(tokens, hidden, positions)
+        if graph is not None:
+            return graph.run(tokens, hidden, positions, loc)
         k, v = self.compute(tokens, hidden, positions)
         self.pool.set_kv_buffer(self.attn, loc, k, v)
+        return k, v
+
+    def _graph(self, tokens: Any, hidden: Any, positions: Any) -> _WriteGraph | None:
+        if self.capture is None:
+            return None
+        size = next((s for s in self.graph_sizes if s >= tokens.shape[0]), None)
+        if size is None:
+            return None
+        graph = self.graphs.get(size)
+        if graph is None:
+            try:
+                graph = self.graphs[size] = self._capture(size, hidden, positions)
+            except Exception as exc:  # stay correct: eager writes from now on
+                self.capture = None
+                if self.warn is not None:
+                    self.warn(
+                        f"[dynspec] draft KV write graph capture failed at bs {size} "
+                        f"({type(exc).__name__}: {exc}); the write runs eagerly from now on"
+                    )
+                return None
+        if graph.hidden.shape[1:] != hidden.shape[1:] or graph.hidden.dtype != hidden.dtype:
+            return None
+        return graph
+
+    def _capture(self, size: int, hidden: Any, positions: Any) -> _WriteGraph:
+        import torch
+
+        device = hidden.device
+        tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        static_hidden = hidden.new_zeros((size, *hidden.shape[1:]))
+        static_positions = positions.new_zeros((size,))
+        loc = torch.zeros(size, dtype=torch.int64, device=device)
+
+        def body() -> tuple[Any, Any]:
+            k, v = self.compute(tokens, static_hidden, static_positions)
+            self.pool.set_kv_buffer(self.attn, loc, k, v)
+            return k, v
+
+        assert self.capture is not None
+        replay, (k, v) = self.capture(body)
+        return _WriteGraph(replay, tokens, static_hidden, static_positions, loc, k, v)
 
     def matches(self, k: Any, v: Any, loc: Any) -> tuple[bool, str]:
         """Whether the pool holds (``k``, ``v``) at ``loc``, and the largest differences.
@@ -2367,7 +2477,27 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
         )
         return
     adapter.draft_kv_write = kv_write
-    adapter.draft_kv_write_note = "draft KV write (checked at the first fallback step)"
+    kv_write.runs = _use_draft_kv_write_graphs(adapter, worker, kv_write)
+    adapter.draft_kv_write_note = (
+        f"draft KV write (checked at the first fallback step; {kv_write.runs})"
+    )
+
+
+def _use_draft_kv_write_graphs(adapter: Adapter, worker: Any, kv_write: DraftKvWrite) -> str:
+    """Let the write replay CUDA graphs at the DECODE graphs' sizes; what it runs, in words."""
+    if os.environ.get(DRAFT_KV_WRITE_GRAPHS_ENV, "1").strip() == "0":
+        return f"eager, {DRAFT_KV_WRITE_GRAPHS_ENV}=0"
+    if adapter.decode_graphs is None:
+        return "eager, as the target's fallback forwards"
+    if int(getattr(adapter.tp_group(worker), "world_size", 1) or 1) > 1:
+        return "eager: with TP its embedding all-reduces"
+    capture = graph_capture(next(kv_write.inner.parameters()).device)
+    if capture is None:
+        return "eager: not on a CUDA device"
+    kv_write.capture = capture
+    kv_write.graph_sizes = list(adapter.decode_graphs.batch_sizes)
+    kv_write.warn = _rank0_logger(worker, logging.WARNING)
+    return f"CUDA graphs for bs {kv_write.graph_sizes}, each captured at its first use"
 
 
 def _draft_state_stub(draft_input: Any) -> tuple[Any, Any, Any] | None:
@@ -3123,8 +3253,8 @@ def _v1_draft(
         batch.input_ids = next_input.input_ids  # as the draft-extend's prepare leaves it
         adapter.draft_state_stale = True
         return "draft_kv_write"
-    with _draft_contexts(adapter, *tp):
-        mine = kv_write.compute(tokens, hidden, positions)
+    with _draft_contexts(adapter, *tp):  # the draft-extend stores these slots again
+        mine = kv_write.write(tokens, hidden, positions, slots)
     _v1_draft_extend(worker, adapter, batch, next_input, tp)
     adapter.draft_state_stale = False
     _check_draft_kv_write(worker, adapter, kv_write, mine, slots)
@@ -3301,7 +3431,8 @@ def _v2_draft(
     Once checked, the draft KV write alone: the next draft input gets the incoming draft state
     (never drafted from; ``draft_state_stale``). Else, and always where ``full_draft`` (the
     step before speculation resumes), SGLang's draft-extend; the first step that could use an
-    unchecked write computes its K and V first and compares them with what SGLang stored.
+    unchecked write stores its K and V first, then SGLang's draft-extend stores the same slots
+    again, and the two are compared.
     """
     kv_write = adapter.draft_kv_write
     stub = None
@@ -3321,8 +3452,8 @@ def _v2_draft(
         batch.input_ids, batch.out_cache_loc = predict, loc  # as SGLang's prepare leaves them
         adapter.draft_state_stale = True
         return "draft_kv_write"
-    with _draft_contexts(adapter, *tp):
-        mine = kv_write.compute(predict, hidden, batch.seq_lens)
+    with _draft_contexts(adapter, *tp):  # the draft-extend stores these slots again
+        mine = kv_write.write(predict, hidden, batch.seq_lens, loc)
     phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
     adapter.draft_state_stale = False
     _check_draft_kv_write(worker, adapter, kv_write, mine, loc)
@@ -3343,7 +3474,9 @@ def _check_draft_kv_write(
     bs = int(loc.shape[0])
     if ok:
         kv_write.checked = True
-        adapter.draft_kv_write_note = f"draft KV write (checked at bs {bs}: {detail})"
+        adapter.draft_kv_write_note = (
+            f"draft KV write (checked at bs {bs}: {detail}; {kv_write.runs})"
+        )
         _rank0_logger(worker)(
             f"[dynspec] draft KV write matches SGLang's draft-extend at bs={bs} ({detail}): "
             "fallback steps now write the draft KV only; the step before speculation resumes "
