@@ -1152,6 +1152,30 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
 
+class FakeCapture:
+    """``dynspec_fallback.graph_capture``'s capturer with a CUDA graph's semantics on a CPU: the
+    body runs once when captured, and each replay runs it again on the same tensors, refilling
+    the outputs that capture returned. Counts captures (their row counts) and replays."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+        self.captured: list[int] = []  # the rows of each captured body's outputs
+        self.replays = 0
+
+    def __call__(self, body: Any) -> tuple[Any, Any]:
+        if self.fail is not None:
+            raise self.fail
+        outputs = body()
+        self.captured.append(int(outputs[0].shape[0]))
+
+        def replay() -> None:
+            self.replays += 1
+            for static, fresh in zip(outputs, body(), strict=True):
+                static.copy_(fresh)
+
+        return replay, outputs
+
+
 def draft_runner(world: World) -> Any:
     """The draft model runner of ``world``'s worker (v1: the worker's own, v2: its draft
     worker's)."""

@@ -1,8 +1,7 @@
 """The draft KV write replayed as one CUDA graph per batch size, on the stand-in workers.
 
-On a CPU there are no CUDA graphs, so ``graph_capture`` is replaced by a capturer with a CUDA
-graph's semantics: the body runs once when captured, and each replay runs it again on the
-same tensors, refilling the outputs that capture returned. What is tested is what the runtime
+On a CPU there are no CUDA graphs, so ``graph_capture`` is replaced by ``standins.FakeCapture``,
+a capturer with a CUDA graph's semantics. What is tested is what the runtime
 does around a graph: which size a batch replays, what the padding rows store, the tensors the
 replay reads, and when it stays eager.
 """
@@ -22,35 +21,15 @@ pytestmark = pytest.mark.torch
 SIZES = [2, 4]  # the stand-in target's DECODE graph sizes (its req pool holds 8)
 
 
-class FakeCapture:
-    """capture(body) -> (replay, outputs); counts captures and replays."""
-
-    def __init__(self, fail: Exception | None = None) -> None:
-        self.fail = fail
-        self.captured: list[int] = []  # the rows of each captured body's outputs
-        self.replays = 0
-
-    def __call__(self, body: Any) -> tuple[Any, Any]:
-        if self.fail is not None:
-            raise self.fail
-        outputs = body()
-        self.captured.append(int(outputs[0].shape[0]))
-
-        def replay() -> None:
-            self.replays += 1
-            for static, fresh in zip(outputs, body(), strict=True):
-                static.copy_(fresh)
-
-        return replay, outputs
-
-
 @pytest.fixture(autouse=True)
 def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
 
 
 @pytest.fixture
-def capture(monkeypatch: pytest.MonkeyPatch) -> FakeCapture:
+def capture(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from tests.runtime.standins import FakeCapture
+
     fake = FakeCapture()
     monkeypatch.setattr(dyn, "graph_capture", lambda device: fake)
     return fake
@@ -195,6 +174,8 @@ def test_a_hidden_state_of_another_width_writes_eagerly(capture):
 
 @pytest.mark.usefixtures("decode_graphs")
 def test_a_failed_capture_warns_once_and_writes_eagerly(monkeypatch, caplog):
+    from tests.runtime.standins import FakeCapture
+
     fake = FakeCapture(fail=RuntimeError("capture refused"))
     monkeypatch.setattr(dyn, "graph_capture", lambda device: fake)
     world = make_world("v2")
@@ -214,6 +195,8 @@ def test_a_failed_capture_warns_once_and_writes_eagerly(monkeypatch, caplog):
 
 @pytest.mark.parametrize("case", ["env", "no_decode_graphs", "tp", "cpu"])
 def test_where_the_write_stays_eager(monkeypatch, case):
+    from tests.runtime.standins import FakeCapture
+
     fake = FakeCapture()
     monkeypatch.setattr(dyn, "graph_capture", lambda device: None if case == "cpu" else fake)
     if case != "no_decode_graphs":

@@ -236,6 +236,26 @@ def test_the_draft_kv_write_warms_up_at_the_smallest_and_largest_size(
     assert "width-1 draft-extend 4, draft KV write 2) in " in line.getMessage()
 
 
+def test_with_its_graphs_the_draft_kv_write_captures_every_size_at_start_up(
+    forward_batch_info, monkeypatch, caplog
+):
+    """So no fallback step is held up by a capture; each writes SGLang's padding slot."""
+    from tests.runtime.standins import FakeCapture, give_draft_model
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    capture = FakeCapture()
+    monkeypatch.setattr(dyn, "graph_capture", lambda device: capture)
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    pool = give_draft_model(world).token_to_kv_pool
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    assert capture.captured == DECODE_BS
+    warm_up_writes = pool.writes[: 2 * len(DECODE_BS)]  # each capture's run, then its replay
+    assert all(loc.tolist() == [0] * len(loc) for loc in warm_up_writes)
+    (line,) = warmup_lines(caplog)
+    assert f"draft KV write {len(DECODE_BS)}) in " in line.getMessage()
+
+
 def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
     world = warm_world("0.5.12.post1", "v1", batch_size=4)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):

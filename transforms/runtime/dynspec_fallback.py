@@ -2651,7 +2651,8 @@ def _forward_mode(name: str) -> Any:
 
 
 def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[], Any]]]:
-    """(kind, call) for every warm-up step, in order: clamp_position, DECODE, width-1 extend."""
+    """(kind, call) for every warm-up step, in order: clamp_position, DECODE, width-1 extend,
+    draft KV write."""
     import torch
 
     target_runner = worker.target_worker.model_runner
@@ -2713,8 +2714,12 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
                 kv_write.write(rows, hidden, rows, rows)
 
+        # With its graphs: once per graph size, which captures each (else each would be
+        # captured at its first fallback step, holding that step up); eager: the kernels of the
+        # smallest and the largest size.
         sizes = adapter.decode_graphs.batch_sizes if adapter.decode_graphs else []
-        for bs in sorted({1, *sizes[-1:]}):
+        writes = kv_write.graph_sizes if kv_write.capture is not None else sorted({1, *sizes[-1:]})
+        for bs in writes:
             replays.append(("draft KV write", functools.partial(write_kv, bs)))
     return replays
 
