@@ -1176,6 +1176,24 @@ class FakeCapture:
         return replay, outputs
 
 
+def draft_state(batch: Any) -> None:
+    """Give ``batch`` the draft state a decode batch carries (a prefill's or the last step's
+    draft-extend)."""
+    bs = len(batch.seq_lens)
+    batch.spec_info.topk_p = torch.ones(bs, 1)
+    batch.spec_info.topk_index = torch.arange(bs)[:, None] + 7
+    batch.spec_info.hidden_states = torch.full((bs, 2), 0.25)
+
+
+
+def new_decode_batch(world: World, bs: int, seq_len: int) -> Any:
+    """A fresh decode batch of ``bs`` requests of length ``seq_len`` with its draft state, made
+    ``world``'s batch."""
+    world.batch = world._make_batch(bs, seq_len, 100)
+    draft_state(world.batch)
+    return world.batch
+
+
 def draft_runner(world: World) -> Any:
     """The draft model runner of ``world``'s worker (v1: the worker's own, v2: its draft
     worker's)."""

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.standins import draft_state, new_decode_batch
 
 pytestmark = pytest.mark.torch
 
@@ -34,16 +35,6 @@ def shapes():
 @pytest.fixture(autouse=True)
 def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
-
-
-def draft_state(batch: Any) -> None:
-    """The draft state a decode batch carries (a prefill's or the last step's draft-extend)."""
-    import torch
-
-    bs = len(batch.seq_lens)
-    batch.spec_info.topk_p = torch.ones(bs, 1)
-    batch.spec_info.topk_index = torch.arange(bs)[:, None] + 7
-    batch.spec_info.hidden_states = torch.full((bs, 2), 0.25)
 
 
 def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any) -> Any:
@@ -68,9 +59,7 @@ def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any
 
 
 def step(world: Any, bs: int, seq_len: int) -> Any:
-    world.batch = world._make_batch(bs, seq_len, 100)
-    draft_state(world.batch)
-    return dyn.maybe_fallback_v2(world.worker, world.batch)
+    return dyn.maybe_fallback_v2(world.worker, new_decode_batch(world, bs, seq_len))
 
 
 def extends(world: Any) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.standins import draft_state, new_decode_batch
 
 pytestmark = pytest.mark.torch
 
@@ -47,15 +48,6 @@ def decode_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     pretend_decode_graphs(monkeypatch)
 
 
-def draft_state(batch: Any) -> None:
-    import torch
-
-    bs = len(batch.seq_lens)
-    batch.spec_info.topk_p = torch.ones(bs, 1)
-    batch.spec_info.topk_index = torch.arange(bs)[:, None] + 7
-    batch.spec_info.hidden_states = torch.full((bs, 2), 0.25)
-
-
 def make_world(variant: str, release: str = "0.5.12.post1", **kwargs: Any) -> Any:
     from tests.runtime.standins import World, give_draft_model, read_shape
 
@@ -72,11 +64,10 @@ def make_world(variant: str, release: str = "0.5.12.post1", **kwargs: Any) -> An
 
 
 def step(world: Any, bs: int, seq_len: int) -> Any:
-    world.batch = world._make_batch(bs, seq_len, 100)
-    draft_state(world.batch)
+    batch = new_decode_batch(world, bs, seq_len)
     if world.shape.variant == "v1":
-        return dyn.maybe_fallback_v1(world.worker, world.batch)
-    return dyn.maybe_fallback_v2(world.worker, world.batch)
+        return dyn.maybe_fallback_v1(world.worker, batch)
+    return dyn.maybe_fallback_v2(world.worker, batch)
 
 
 def adapter_of(world: Any) -> dyn.Adapter:
