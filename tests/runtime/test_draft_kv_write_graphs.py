@@ -23,8 +23,9 @@ SIZES = [2, 4]  # the stand-in target's DECODE graph sizes (its req pool holds 8
 
 
 @pytest.fixture(autouse=True)
-def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def _kv_write_and_its_graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_GRAPHS_ENV, "1")
 
 
 @pytest.fixture
@@ -215,3 +216,22 @@ def test_graph_capture_is_cuda_only():
     import torch
 
     assert dyn.graph_capture(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    ("release", "graphs"), [("0.5.12.post1", True), ("0.5.17", False), (None, False)]
+)
+@pytest.mark.usefixtures("decode_graphs")
+def test_by_default_graphs_only_on_a_release_they_ran_on(capture, monkeypatch, release, graphs):
+    from tests.runtime.standins import package_says_release
+
+    monkeypatch.delenv(dyn.DRAFT_KV_WRITE_GRAPHS_ENV)
+    world = make_world("v2", release or "0.5.12.post1")
+    if release is not None:
+        package_says_release(monkeypatch, world, release)
+    step(world, 3, 10)
+    assert (capture.captured == [4]) is graphs
+    runs = adapter_of(world).draft_kv_write.runs
+    assert runs.startswith("CUDA graphs for bs") is graphs
+    if not graphs:
+        assert runs.startswith("eager: its CUDA graphs are on by default only on SGLang 0.5.12")

@@ -243,6 +243,7 @@ def test_with_its_graphs_the_draft_kv_write_captures_every_size_at_start_up(
     from tests.runtime.standins import FakeCapture, give_draft_model
 
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_GRAPHS_ENV, "1")
     capture = FakeCapture()
     monkeypatch.setattr(dyn, "graph_capture", lambda device: capture)
     world = warm_world("0.5.12.post1", "v2", batch_size=4)

@@ -2202,9 +2202,12 @@ DRAFT_KV_WRITE_ENV = "DYNSPEC_DRAFT_KV_WRITE"
 # The draft KV write's result matches SGLang's draft-extend when no element of K or V differs
 # by more than this fraction of the largest magnitude there (bf16 GEMMs of another shape).
 KV_MATCH_TOLERANCE = 0.02
-# "0" runs the draft KV write eagerly (diagnostics); otherwise it replays a CUDA graph per
-# batch size, wherever the target's DECODE graphs are (one rank per server only).
+# "1" / "0": the draft KV write replays a CUDA graph per DECODE graph size / runs eagerly;
+# unset: graphs where they have run on a GPU (``lever_on``, DRAFT_KV_WRITE_GRAPH_RELEASES).
 DRAFT_KV_WRITE_GRAPHS_ENV = "DYNSPEC_DRAFT_KV_WRITE_GRAPHS"
+# Where the write's graphs have run on an H200, v1 and v2, with 0 mismatched greedy tokens on
+# v2 (strict KV check on): 0.5.12.post1 (2026-12-02, RESULTS.md).
+DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
 # same tensors.
@@ -2485,8 +2488,15 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
 
 def _use_draft_kv_write_graphs(adapter: Adapter, worker: Any, kv_write: DraftKvWrite) -> str:
     """Let the write replay CUDA graphs at the DECODE graphs' sizes; what it runs, in words."""
-    if os.environ.get(DRAFT_KV_WRITE_GRAPHS_ENV, "1").strip() == "0":
-        return f"eager, {DRAFT_KV_WRITE_GRAPHS_ENV}=0"
+    proven = on_gpu_proven_release(adapter, DRAFT_KV_WRITE_GRAPH_RELEASES)
+    if not lever_on(DRAFT_KV_WRITE_GRAPHS_ENV, proven):
+        if os.environ.get(DRAFT_KV_WRITE_GRAPHS_ENV, "").strip() == "0":
+            return f"eager, {DRAFT_KV_WRITE_GRAPHS_ENV}=0"
+        return (
+            f"eager: its CUDA graphs are on by default only on SGLang "
+            f"{', '.join(DRAFT_KV_WRITE_GRAPH_RELEASES)}, where they have run on a GPU "
+            f"({DRAFT_KV_WRITE_GRAPHS_ENV}=1 turns them on)"
+        )
     if adapter.decode_graphs is None:
         return "eager, as the target's fallback forwards"
     if int(getattr(adapter.tp_group(worker), "world_size", 1) or 1) > 1:
