@@ -416,9 +416,9 @@ def test_before_its_first_step_the_note_says_it_is_not_yet_checked(shapes):
     world.batch.forward_mode = Extend()
     assert dyn.maybe_fallback_v2(world.worker, world.batch) is None
     adapter = dyn._adapters[type(world.worker)]
-    assert adapter.draft_kv_write_note == (
-        "draft KV write (checked at the first fallback step; eager, as the target's fallback "
-        "forwards)"
+    assert adapter.draft_kv_write_note.startswith(
+        "draft KV write (checked at the first fallback step; eager: its CUDA graphs are on by "
+        "default only on SGLang 0.5.12.post1"
     )
 
 
