@@ -153,6 +153,33 @@ TARGETS: dict[str, Target] = {
         why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
             "the check against SGLang's draft-extend, the draft state it hands on; and the TP "
             "group every start-up agreement runs over"),
+    "draft_kv_write_graphs": Target(
+        RUNTIME,
+        ("tests/runtime/test_draft_kv_write_graphs.py", "tests/runtime/test_warmup.py",
+         "tests/runtime/test_fallback_v2.py"),
+        functions=(
+            *_methods("_WriteGraph", "run"),
+            *_methods("DraftKvWrite", "write", "_graph", "_capture"),
+            "x__use_draft_kv_write_graphs", "x__event_recorded",
+        ),
+        equivalent=(
+            *(("xǁDraftKvWriteǁ_capture", piece, "on a CPU the default device is the model's")
+              for piece in ("device = None", "device=None)", "torch.int64, )")),
+            *(("xǁDraftKvWriteǁ_capture", piece, "the static tokens are only copied into and "
+               "read through .to(torch.int64): small ints survive float")
+              for piece in ("dtype=None, device=device", "zeros(size, device=device)")),
+            ("x__event_recorded", "get_device_module(None)", "on a CPU the default device "
+             "module is the batch's"),
+            ("x__use_draft_kv_write_graphs", '"XXXX").strip() == "0"', "unset and any text "
+             "but 0 are both not 0 here (lever_on read it already)"),
+            ("x__use_draft_kv_write_graphs", "'XX, XX'.join(DRAFT_KV_WRITE_GRAPH_RELEASES)",
+             "one release: the separator is never written"),
+            *(("x__use_draft_kv_write_graphs", piece, "a TP group's world_size is never 0: "
+               "None or 1 and 1 or 2 are 1")
+              for piece in ('"world_size", None)', "or 2) > 1")),
+        ),
+        why="the draft KV write's CUDA graphs (which size replays, what the padding rows "
+            "store, when it stays eager) and the v2 step's early verify_done"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",

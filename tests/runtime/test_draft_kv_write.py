@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
-from tests.runtime.standins import draft_state, new_decode_batch
 
 pytestmark = pytest.mark.torch
 
@@ -38,7 +37,7 @@ def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any) -> Any:
-    from tests.runtime.standins import World, give_draft_model
+    from tests.runtime.standins import World, draft_state, give_draft_model
 
     kwargs.setdefault("threshold", 2)
     world = World(
@@ -59,6 +58,8 @@ def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any
 
 
 def step(world: Any, bs: int, seq_len: int) -> Any:
+    from tests.runtime.standins import new_decode_batch
+
     return dyn.maybe_fallback_v2(world.worker, new_decode_batch(world, bs, seq_len))
 
 
@@ -85,10 +86,10 @@ def assert_the_second_step_wrote_the_kv_alone(world: Any) -> None:
 def second_step_runs_the_draft_extend(world: Any, change: Callable[[Any], None]) -> bool:
     """After the checking step, whether a step whose draft input ``change`` altered still ran
     SGLang's draft-extend."""
+    from tests.runtime.standins import new_decode_batch
+
     step(world, 3, 10)
-    world.batch = world._make_batch(3, 11, 100)
-    draft_state(world.batch)
-    change(world.batch)
+    change(new_decode_batch(world, 3, 11))
     dyn.maybe_fallback_v2(world.worker, world.batch)
     return len(extends(world)) == 2
 

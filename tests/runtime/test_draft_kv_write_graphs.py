@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
-from tests.runtime.standins import draft_state, new_decode_batch
 
 pytestmark = pytest.mark.torch
 
@@ -33,7 +32,8 @@ def capture(monkeypatch: pytest.MonkeyPatch) -> Any:
     from tests.runtime.standins import FakeCapture
 
     fake = FakeCapture()
-    monkeypatch.setattr(dyn, "graph_capture", lambda device: fake)
+    # Only for the draft model's device (the stand-in's is the CPU).
+    monkeypatch.setattr(dyn, "graph_capture", lambda device: fake if device.type == "cpu" else None)
     return fake
 
 
@@ -50,7 +50,7 @@ def decode_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_world(variant: str, release: str = "0.5.12.post1", **kwargs: Any) -> Any:
-    from tests.runtime.standins import World, give_draft_model, read_shape
+    from tests.runtime.standins import World, draft_state, give_draft_model, read_shape
 
     world = World(
         read_shape(release, variant),
@@ -65,6 +65,8 @@ def make_world(variant: str, release: str = "0.5.12.post1", **kwargs: Any) -> An
 
 
 def step(world: Any, bs: int, seq_len: int) -> Any:
+    from tests.runtime.standins import new_decode_batch
+
     batch = new_decode_batch(world, bs, seq_len)
     if world.shape.variant == "v1":
         return dyn.maybe_fallback_v1(world.worker, batch)
@@ -183,6 +185,20 @@ def test_a_failed_capture_warns_once_and_writes_eagerly(monkeypatch, caplog):
     assert adapter_of(world).draft_kv_write.checked
     assert_stored_as_the_draft_extend_would(world, 3, 11)
     assert_stored_as_the_draft_extend_would(world, 2, 12)
+
+
+@pytest.mark.usefixtures("decode_graphs")
+def test_a_later_rank_does_not_warn_of_a_failed_capture(monkeypatch, caplog):
+    from tests.runtime.standins import FakeCapture
+
+    fake = FakeCapture(fail=RuntimeError("capture refused"))
+    monkeypatch.setattr(dyn, "graph_capture", lambda device: fake)
+    world = make_world("v2")
+    world.worker.tp_rank = 1
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        step(world, 3, 10)
+    assert not [r for r in caplog.records if "graph capture failed" in r.getMessage()]
+    assert_stored_as_the_draft_extend_would(world, 3, 10)
 
 
 @pytest.mark.parametrize("case", ["env", "no_decode_graphs", "tp", "cpu"])
