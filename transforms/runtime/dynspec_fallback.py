@@ -2277,7 +2277,8 @@ class DraftKvWrite:
 
     Run eagerly, its dozen small kernels cost 0.6-0.8 ms of host time per step (H200,
     2026-12-02), in a step whose host time bounds the server; with ``capture`` it replays one
-    graph per size of ``graph_sizes`` instead, captured at the first step of that size.
+    graph per size of ``graph_sizes`` instead, each captured at its first write (the start-up
+    warm-up writes every size it has time for).
     """
 
     inner: Any  # the draft model's LlamaModel: embed_tokens, fc, its norms, layers
@@ -2507,7 +2508,7 @@ def _use_draft_kv_write_graphs(adapter: Adapter, worker: Any, kv_write: DraftKvW
     kv_write.capture = capture
     kv_write.graph_sizes = list(adapter.decode_graphs.batch_sizes)
     kv_write.warn = _rank0_logger(worker, logging.WARNING)
-    return f"CUDA graphs for bs {kv_write.graph_sizes}, each captured at its first use"
+    return f"CUDA graphs for bs {kv_write.graph_sizes}, captured by the warm-up or at first use"
 
 
 def _draft_state_stub(draft_input: Any) -> tuple[Any, Any, Any] | None:
