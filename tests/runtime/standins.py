@@ -102,6 +102,9 @@ class Shape:
     # calls, cloned from the release so that a wrong call fails as it would in SGLang.
     verify_module_names: set[str] | None = None
     signatures: dict[str, str] = field(default_factory=dict)
+    # EagleVerifyInput.verify as the release has it (``ast.unparse``), which the stand-in
+    # verify shows to ``inspect.getsource`` (the runtime reads the request attributes it uses).
+    verify_source: str | None = None
 
     def has_field(self, cls: str, name: str) -> bool:
         return name in self.fields.get(cls, {})
@@ -125,16 +128,19 @@ def read_shape(version: str, variant: str) -> Shape:
     )
     fields = {c: has.fields(c) for c in classes if c in has.worker_module.bindings}
     params: dict[str, set[str]] = {}
+    signatures: dict[str, str] = {}
     vi = has._global_class("EagleVerifyInput")
     for method in ("prepare_for_verify", "verify", "sample"):
         fn = _method(tree, vi, method)
         if fn is not None:
             params[f"EagleVerifyInput.{method}"] = _params(fn)
+            signatures[f"EagleVerifyInput.{method}"] = _signature(fn)
+    verify_fn = _method(tree, vi, "verify")
     relpath, cls, method = TARGET_WORKER
     target_fn = _method(tree, tree.class_in(relpath, cls), method)
     target_params = _params(target_fn)
     runner = has._members(tree.class_in(*MODEL_RUNNER))
-    signatures = {"target.forward_batch_generation": _signature(target_fn, drop_first=True)}
+    signatures["target.forward_batch_generation"] = _signature(target_fn, drop_first=True)
     entry = _method(tree, has.worker, "forward_batch_generation") if has.worker else None
     if entry is not None:
         signatures["worker.forward_batch_generation"] = _signature(entry)
@@ -169,6 +175,7 @@ def read_shape(version: str, variant: str) -> Shape:
         ),
         verify_module_names=verify_names,
         signatures=signatures,
+        verify_source=ast.unparse(verify_fn) if verify_fn is not None else None,
     )
 
 
@@ -197,18 +204,24 @@ _clone_ids = itertools.count()
 
 
 def clone(
-    signature: str, name: str, impl: Callable[[dict[str, Any]], Any], note: str = ""
+    signature: str,
+    name: str,
+    impl: Callable[[dict[str, Any]], Any],
+    note: str = "",
+    shown_source: str | None = None,
 ) -> Callable[..., Any]:
     """A function with exactly ``signature``'s parameters that calls ``impl(bound_args)``.
 
     ``note`` becomes a comment in its source, which ``inspect.getsource`` can read (the
-    runtime reads some SGLang methods' source).
+    runtime reads some SGLang methods' source); ``shown_source``, where given, is what
+    ``inspect.getsource`` reads instead (the release's own method).
     """
     namespace: dict[str, Any] = {}
     comment = f"    # {note}\n" if note else ""
     source = f"def {name}({signature}):\n{comment}    return _impl(dict(locals()))\n"
     filename = f"<standin {name} {next(_clone_ids)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    shown = source if shown_source is None else shown_source + "\n"
+    linecache.cache[filename] = (len(shown), None, shown.splitlines(True), filename)
     exec(compile(source, filename, "exec"), {"_impl": impl}, namespace)
     return namespace[name]
 
@@ -248,10 +261,22 @@ class Req:
     kv_allocated_len: int = 0
     decode_batch_idx: int = 0
     grammar: Any = None
+    # 0.5.12.post1's reasoning and speculative counters, which its v1 verify() updates.
+    require_reasoning: bool = False
+    reasoning_tokens: list[tuple[int, int]] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_correct_drafts_histogram: list[int] = field(default_factory=list)
 
     def check_finished(self) -> None:
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = "length"
+
+    def update_reasoning_tokens(self, token: int, think_end_id: int) -> None:
+        self.reasoning_tokens.append((token, think_end_id))
+
+    def update_spec_correct_drafts_histogram(self, num_correct_drafts: int) -> None:
+        self.spec_correct_drafts_histogram.append(num_correct_drafts)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -390,10 +415,11 @@ class World:
         if "EagleVerifyInput.prepare_for_verify" in shape.params:
             namespace["prepare_for_verify"] = prepare_for_verify
         if verify_params:
-            namespace["verify"] = (
-                verify
-                if "vocab_mask" in verify_params
-                else (lambda self, b, lo, a, p: verify(self, b, lo, a, p))
+            namespace["verify"] = clone(
+                shape.signatures["EagleVerifyInput.verify"],
+                "verify",
+                lambda args: verify(*args.values()),
+                shown_source=shape.verify_source,
             )
         if sample_params:
             namespace["sample"] = (
@@ -526,12 +552,20 @@ class World:
         predict = logits_output.next_token_logits.argmax(-1).to(torch.int32)
         bs = predict.shape[0]
         unfinished = []
-        for i, req in enumerate(batch.reqs):
-            req.output_ids.append(int(predict[i]))
+        think_end_id = batch.model_config.think_end_id
+        for i, req in enumerate(batch.reqs):  # 0.5.12.post1's loop, for one accepted token
+            token = int(predict[i])
+            req.output_ids.append(token)
+            if req.require_reasoning and think_end_id is not None:
+                req.update_reasoning_tokens(token, think_end_id)
             req.check_finished()
             req.kv_committed_len += 1
+            req.kv_allocated_len = req.kv_committed_len
             if not req.finished():
                 unfinished.append(i)
+            req.spec_verify_ct += 1
+            req.spec_num_correct_drafts += 0
+            req.update_spec_correct_drafts_histogram(0)
         batch.seq_lens.add_(1)
         if getattr(batch, "seq_lens_cpu", None) is not None:
             batch.seq_lens_cpu.add_(1)
@@ -767,7 +801,11 @@ class World:
             penalizer_orchestrator=Orchestrator(False, self.recorder),
             vocab_size=VOCAB,
             vocab_mask="stale-mask",
+            is_all_greedy=True,
+            logit_bias=None,
+            has_custom_logit_processor=False,
         )
+        batch.model_config = types.SimpleNamespace(think_end_id=None)
         if self.shape.has_field("EagleDraftInput", "allocate_lens"):
             spec_info.allocate_lens = batch.seq_lens + 8
         batch.spec_info = spec_info

@@ -257,6 +257,32 @@ def test_with_its_graphs_the_draft_kv_write_captures_every_size_at_start_up(
     assert f"draft KV write {len(DECODE_BS)}) in " in line.getMessage()
 
 
+def test_the_draft_kv_write_captures_come_before_the_sizes_already_compiled(
+    forward_batch_info, monkeypatch
+):
+    """One size of each specialisation compiles the kernels; then every capture of the write
+    (a size left out would be captured inside a fallback step); then the other sizes, which a
+    budget that runs out skips at the least cost."""
+    from tests.runtime.standins import FakeCapture, give_draft_model
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_GRAPHS_ENV, "1")
+    monkeypatch.setattr(dyn, "graph_capture", lambda device: FakeCapture())
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    give_draft_model(world)
+    assert step(world, "v2") is not None
+    adapter = dyn._adapters[type(world.worker)]
+    kinds = [kind for kind, _ in dyn._warmup_replays(adapter, world.worker)]
+    assert kinds == [
+        "clamp_position",
+        *["DECODE"] * 3,  # 1, 2, 16
+        *["width-1 draft-extend"] * 2,  # 2, 16 of [2, 8, 16, 24]
+        *["draft KV write"] * len(DECODE_BS),
+        *["DECODE"] * (len(DECODE_BS) - 3),
+        *["width-1 draft-extend"] * 2,
+    ]
+
+
 def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
     world = warm_world("0.5.12.post1", "v1", batch_size=4)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):

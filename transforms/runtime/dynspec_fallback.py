@@ -3,7 +3,9 @@
 When the decode batch is larger than ``--speculative-disable-batch-threshold T`` the patched
 worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
 one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
-own verify/sample does the bookkeeping, and the worker's own draft-extend keeps the draft KV warm
+own verify/sample does the bookkeeping (v1 on 0.5.12.post1's verify() loop: on write-only steps
+of greedy batches the same bookkeeping for one token without verify(), ``_v1_one_token_verify``),
+and the worker's own draft-extend keeps the draft KV warm
 (by default on ``GPU_PROVEN_RELEASES``, v2 and v1 alike: ``DraftKvWrite`` stores the draft's K
 and V alone, checked once against it).
 The state after a fallback step equals the state after a spec step whose drafts were all rejected,
@@ -80,6 +82,7 @@ import os
 import sys
 import textwrap
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -1321,6 +1324,10 @@ class Adapter:
     # v2: the draft KV write of fallback steps (None: SGLang's draft-extend), and why.
     draft_kv_write: DraftKvWrite | None = None
     draft_kv_write_note: str = ""
+    # v1: write-only fallback steps of greedy batches do verify()'s bookkeeping themselves
+    # (``one_token_verify``), and why or why not.
+    one_token_verify: bool = False
+    one_token_verify_note: str = ""
     # v2: the last decode step handed on a stale draft state (a draft KV write step): the next
     # speculative step must wait for a fallback step that runs SGLang's draft-extend.
     draft_state_stale: bool = False
@@ -1672,6 +1679,8 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     if variant == "v2":
         _prepare_draft_extend_width1(adapter, worker)
     _prepare_draft_kv_write(adapter, worker)
+    if variant == "v1":
+        _prepare_one_token_verify(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
@@ -2550,6 +2559,13 @@ def warmup_order(batch_sizes: list[int]) -> list[int]:
     kernels are already compiled.
     """
 
+    firsts, rest = _one_of_each_specialisation(batch_sizes)
+    return firsts + rest
+
+
+def _one_of_each_specialisation(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
+    """(the smallest size of each Triton specialisation, the other sizes), each ascending."""
+
     def key(bs: int) -> tuple[bool, bool, int]:
         return bs == 1, bs % 16 == 0, max(256, 1 << (bs - 1).bit_length())
 
@@ -2559,7 +2575,7 @@ def warmup_order(batch_sizes: list[int]) -> list[int]:
     for bs in sorted(set(batch_sizes)):
         (rest if key(bs) in seen else firsts).append(bs)
         seen.add(key(bs))
-    return firsts + rest
+    return firsts, rest
 
 
 class _PaddingBatch:
@@ -2662,13 +2678,17 @@ def _forward_mode(name: str) -> Any:
 
 
 def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[], Any]]]:
-    """(kind, call) for every warm-up step, in order: clamp_position, DECODE, width-1 extend,
-    draft KV write."""
+    """(kind, call) for every warm-up step, in order: clamp_position; one DECODE and one
+    width-1 extend size of each Triton specialisation (``warmup_order``: what compiles); the
+    draft KV write (with its graphs: each size's capture); the other DECODE and width-1 extend
+    sizes, whose kernels are compiled by then. A budget that runs out then skips what costs a
+    fallback step least."""
     import torch
 
     target_runner = worker.target_worker.model_runner
     device = getattr(target_runner, "device", "cuda")
     replays: list[tuple[str, Callable[[], Any]]] = []
+    later: list[tuple[str, Callable[[], Any]]] = []
     decode = adapter.decode_graphs
     if decode is not None:
         # The fallback's DECODE ForwardBatch.init_new computes positions with clamp_position, a
@@ -2694,10 +2714,9 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             with target_decode_mode(target_runner, graph_attr, decode):
                 replay_graph(decode.runner, batch, bs)
 
-        replays += [
-            ("DECODE", functools.partial(replay_decode, bs))
-            for bs in warmup_order(decode.batch_sizes)
-        ]
+        firsts, rest = _one_of_each_specialisation(decode.batch_sizes)
+        replays += [("DECODE", functools.partial(replay_decode, bs)) for bs in firsts]
+        later += [("DECODE", functools.partial(replay_decode, bs)) for bs in rest]
     width1 = adapter.draft_extend_width1
     if width1 is not None:
         draft = worker.draft_worker
@@ -2711,10 +2730,9 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             with contexts, draft_extend_width1_mode(draft, width1):
                 replay_graph(width1.runner, batch, bs)
 
-        replays += [
-            ("width-1 draft-extend", functools.partial(replay_extend, bs))
-            for bs in warmup_order(width1.batch_sizes)
-        ]
+        firsts, rest = _one_of_each_specialisation(width1.batch_sizes)
+        replays += [("width-1 draft-extend", functools.partial(replay_extend, bs)) for bs in firsts]
+        later += [("width-1 draft-extend", functools.partial(replay_extend, bs)) for bs in rest]
     kv_write = adapter.draft_kv_write
     if kv_write is not None:
         fc = kv_write.inner.fc
@@ -2732,7 +2750,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
         writes = kv_write.graph_sizes if kv_write.capture is not None else sorted({1, *sizes[-1:]})
         for bs in writes:
             replays.append(("draft KV write", functools.partial(write_kv, bs)))
-    return replays
+    return replays + later
 
 
 def run_warmup(
@@ -3181,21 +3199,27 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False
     if _has_grammar(batch):
         vocab_mask = _grammar_mask(adapter, batch, vi, root.device)
 
-    # (e) SGLang's own bookkeeping: sample, append, finish, grammar, KV accounting, seq_lens
-    hidden = vi.hidden_states = logits_output.hidden_states
-    verify_args = [batch, logits_output, worker.token_to_kv_pool_allocator, worker.page_size]
-    if names["verify_vocab_mask"] is not None:
-        verify_args.append(vocab_mask)
-    res = vi.verify(*verify_args)
-    indices = getattr(res, adapter.name("vo_indices"))
-    logits_output.next_token_logits = logits_output.next_token_logits[indices]
-    if logits_output.hidden_states is not None:
-        logits_output.hidden_states = logits_output.hidden_states[indices]
-    if batch.return_logprob:
-        if names["logprob_fn"] is not None:
-            adapter.cls("logprob_fn")(batch, res, logits_output)
-        else:
-            worker.add_logprob_values(batch, res, logits_output)
+    # (e) the bookkeeping: sample, append, finish, grammar, KV accounting, seq_lens. SGLang's
+    #     verify() does it, or, on a write-only step of a plain greedy batch, the same for one
+    #     token without verify()'s tree kernels and host synchronisations
+    hidden = logits_output.hidden_states
+    if _one_token_verify_applies(adapter, batch, draft_input, full_draft):
+        res = _v1_one_token_verify(adapter, batch, logits_output)
+    else:
+        vi.hidden_states = hidden
+        verify_args = [batch, logits_output, worker.token_to_kv_pool_allocator, worker.page_size]
+        if names["verify_vocab_mask"] is not None:
+            verify_args.append(vocab_mask)
+        res = vi.verify(*verify_args)
+        indices = getattr(res, adapter.name("vo_indices"))
+        logits_output.next_token_logits = logits_output.next_token_logits[indices]
+        if logits_output.hidden_states is not None:
+            logits_output.hidden_states = logits_output.hidden_states[indices]
+        if batch.return_logprob:
+            if names["logprob_fn"] is not None:
+                adapter.cls("logprob_fn")(batch, res, logits_output)
+            else:
+                worker.add_logprob_values(batch, res, logits_output)
     adapter.profiler.mark("verify")
 
     # (f) draft KV sync: the draft KV write alone, or the worker's own draft-extend (which
@@ -3293,6 +3317,158 @@ def _v1_draft_extend(
             root_after = getattr(next_input, adapter.name("root_field"), None)
             if root_after is not None and root_after.shape[0] > 0:
                 worker.forward_draft_extend_after_decode(batch)
+
+
+# --------------------------------------------------------------------------------------------
+# v1: verify()'s bookkeeping for one token, without verify()
+# --------------------------------------------------------------------------------------------
+
+# "0" / "1": v1 write-only fallback steps run SGLang's verify() / their own one-token
+# bookkeeping; unset: the bookkeeping where it has run on a GPU (``lever_on``).
+ONE_TOKEN_VERIFY_ENV = "DYNSPEC_V1_ONE_TOKEN_VERIFY"
+ONE_TOKEN_VERIFY_RELEASES = ("0.5.12.post1",)
+# The attributes of a request that the v1 verify() reads or writes where its per-request loop
+# is the one ``_v1_one_token_verify`` repeats (0.5.12.post1). A verify() that touches another,
+# or not one of these, keeps SGLang's verify().
+VERIFY_REQUEST_ATTRIBUTES = frozenset(
+    {
+        "output_ids",
+        "require_reasoning",
+        "update_reasoning_tokens",
+        "check_finished",
+        "finished",
+        "grammar",
+        "kv_committed_len",
+        "kv_allocated_len",
+        "spec_verify_ct",
+        "spec_num_correct_drafts",
+        "update_spec_correct_drafts_histogram",
+    }
+)
+
+
+def verify_request_attributes(source: str) -> frozenset[str]:
+    """The attributes of ``req``, verify()'s request loop variable, that ``source`` touches."""
+    tree = ast.parse(textwrap.dedent(source))
+    return frozenset(
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "req"
+    )
+
+
+def _one_token_verify_refusal(adapter: Adapter) -> str:
+    """Why this release's verify() cannot be replaced by ``_v1_one_token_verify``, or ""."""
+    if adapter.draft_kv_write is None:
+        return "it runs only on steps of the draft KV write, which is off"
+    verify_cls = adapter.cls("verify_input_cls")
+    if getattr(sys.modules.get(verify_cls.__module__), "SIMULATE_ACC_LEN", 0) > 0:
+        return "SGLang simulates acceptance (SIMULATE_ACC_LEN)"
+    try:
+        touched = verify_request_attributes(inspect.getsource(verify_cls.verify))
+    except (OSError, TypeError, SyntaxError) as exc:
+        return f"cannot read verify()'s source ({type(exc).__name__})"
+    if touched != VERIFY_REQUEST_ATTRIBUTES:
+        extra = sorted(touched - VERIFY_REQUEST_ATTRIBUTES)
+        missing = sorted(VERIFY_REQUEST_ATTRIBUTES - touched)
+        return (
+            "verify()'s request loop is not the one it repeats "
+            f"(it also touches: {', '.join(extra) or '-'}; not: {', '.join(missing) or '-'})"
+        )
+    return ""
+
+
+def _prepare_one_token_verify(adapter: Adapter, worker: Any) -> None:
+    """Whether write-only v1 fallback steps do verify()'s bookkeeping themselves, once."""
+    proven = on_gpu_proven_release(adapter, ONE_TOKEN_VERIFY_RELEASES)
+    if not lever_on(ONE_TOKEN_VERIFY_ENV, proven):
+        adapter.one_token_verify_note = (
+            f"SGLang's verify() ({ONE_TOKEN_VERIFY_ENV}=1 turns the one-token bookkeeping on; "
+            f"by default only on SGLang {', '.join(ONE_TOKEN_VERIFY_RELEASES)}, where it has "
+            "run on a GPU)"
+        )
+        return
+    why = _one_token_verify_refusal(adapter)
+    if why:
+        adapter.one_token_verify_note = f"SGLang's verify() ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] v1 one-token bookkeeping not used: {why}; fallback steps run "
+            "SGLang's verify()"
+        )
+        return
+    adapter.one_token_verify = True
+    adapter.one_token_verify_note = "one-token bookkeeping on write-only steps of greedy batches"
+
+
+def _one_token_verify_applies(
+    adapter: Adapter, batch: Any, draft_input: Any, full_draft: bool
+) -> bool:
+    """Whether this step's bookkeeping is ``_v1_one_token_verify``'s: a draft KV write step
+    (checked, not the step before speculation resumes) of a batch that verify() would only
+    argmax: all greedy, no penalties, logit bias, custom logit processor, grammar or logprobs.
+    Any other step runs SGLang's verify()."""
+    kv_write = adapter.draft_kv_write
+    if not adapter.one_token_verify or kv_write is None or full_draft:
+        return False
+    if not kv_write.checked or kv_write.broken or _draft_state_stub(draft_input) is None:
+        return False
+    info = batch.sampling_info
+    return (
+        bool(info.is_all_greedy)
+        and not info.penalizer_orchestrator.is_required
+        and getattr(info, "logit_bias", True) is None  # a release without the field: no
+        and not getattr(info, "has_custom_logit_processor", True)
+        and not batch.return_logprob
+        and not _has_grammar(batch)
+    )
+
+
+def _v1_one_token_verify(adapter: Adapter, batch: Any, logits_output: Any) -> Any:
+    """What SGLang's v1 verify() does for a one-node tree of a greedy batch, and its output.
+
+    The token is the argmax (verify()'s greedy tree kernel accepts exactly that); then, as
+    verify(): the lengths grow by one, each request appends its token and checks whether it
+    finished, its KV accounting and speculative counters advance (0 drafts accepted), and
+    the batch keeps the KV slots of the requests still running. One host synchronisation
+    (the tokens) where verify() has five, plus a Python loop per accepted token. Nothing is
+    freed: a one-node tree has no rejected slot. The output has the fields the rest of the
+    step reads: the tokens, the next draft-extend input's ``input_ids`` (the running
+    requests' tokens) and the accepted drafts per request; verify()'s logits indices are the
+    identity for a one-node tree, so the logits stay as they are.
+    """
+    import torch
+
+    tokens = torch.argmax(logits_output.next_token_logits, dim=-1).to(torch.int32)
+    batch.seq_lens.add_(1)
+    if getattr(batch, "seq_lens_cpu", None) is not None:
+        batch.seq_lens_cpu.add_(1)
+    think_end_id = batch.model_config.think_end_id
+    running = []
+    for i, (req, token) in enumerate(zip(batch.reqs, tokens.tolist(), strict=True)):
+        req.output_ids.append(token)
+        if req.require_reasoning and think_end_id is not None:
+            req.update_reasoning_tokens(token, think_end_id)
+        req.check_finished()
+        req.kv_committed_len += 1
+        req.kv_allocated_len = req.kv_committed_len
+        req.spec_verify_ct += 1  # (spec_num_correct_drafts: verify() adds 0 to it)
+        req.update_spec_correct_drafts_histogram(0)
+        if not req.finished():
+            running.append(i)
+    next_tokens = tokens
+    if len(running) < len(batch.reqs):
+        keep = torch.tensor(running, dtype=torch.int64, device=tokens.device)
+        batch.out_cache_loc = batch.out_cache_loc[keep]
+        next_tokens = tokens[keep]
+    return types.SimpleNamespace(
+        **{
+            adapter.name("vo_tokens"): tokens,
+            adapter.name("vo_next_input"): types.SimpleNamespace(input_ids=next_tokens),
+            adapter.name("vo_per_req"): [0] * len(batch.reqs),
+        }
+    )
 
 
 # --------------------------------------------------------------------------------------------
