@@ -180,6 +180,16 @@ TARGETS: dict[str, Target] = {
         ),
         why="the draft KV write's CUDA graphs (which size replays, what the padding rows "
             "store, when it stays eager) and the v2 step's early verify_done"),
+    "one_token_verify": Target(
+        RUNTIME,
+        ("tests/runtime/test_one_token_verify.py", "tests/runtime/test_warmup.py",
+         "tests/runtime/test_draft_kv_write_v1.py", "tests/runtime/test_fallback_v1.py"),
+        functions=(
+            "x_verify_request_attributes", "x__one_token_verify_refusal",
+            "x__prepare_one_token_verify", "x__one_token_verify_applies",
+            "x__v1_one_token_verify",
+        ),
+        why="v1's one-token bookkeeping: where it applies, what it leaves, its refusals"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",
         ("tests/codemods/test_mutation_engine.py",

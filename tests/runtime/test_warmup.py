@@ -118,10 +118,10 @@ def warmup_lines(caplog: Any) -> list[logging.LogRecord]:
 
 def test_warmup_order_replays_one_size_of_each_specialisation_first():
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 128, 256, 512]
-    assert dyn.warmup_order(sizes) == [1, 2, 16, 512, 4, 8, 24, 32, 40, 48, 64, 128, 256]
-    assert dyn.warmup_order([24, 16, 24]) == [16, 24]
+    assert dyn.warmup_order(sizes) == ([1, 2, 16, 512], [4, 8, 24, 32, 40, 48, 64, 128, 256])
+    assert dyn.warmup_order([24, 16, 24]) == ([16, 24], [])
     # 2 opens the class of 3 (1 is a class of its own), 257 the one above 256 (512's block)
-    assert dyn.warmup_order([2, 3, 16, 257, 512]) == [2, 16, 257, 512, 3]
+    assert dyn.warmup_order([2, 3, 16, 257, 512]) == ([2, 16, 257, 512], [3])
 
 
 def test_run_warmup_stops_at_the_budget_before_the_next_replay():
@@ -186,7 +186,8 @@ def test_start_up_replays_every_fallback_graph_once_and_logs_one_line(forward_ba
     (seq_lens,) = forward_batch_info
     assert seq_lens.dtype == torch.int64 and seq_lens.shape == (max(DECODE_BS),)
     # One replay per captured DECODE size, in warm-up order, padding rows only.
-    assert [r["batch"].batch_size for r in decode.replays] == dyn.warmup_order(DECODE_BS)
+    firsts, rest = dyn.warmup_order(DECODE_BS)
+    assert [r["batch"].batch_size for r in decode.replays] == firsts + rest
     for replay in decode.replays:
         batch = replay["batch"]
         bs = batch.batch_size
@@ -203,7 +204,8 @@ def test_start_up_replays_every_fallback_graph_once_and_logs_one_line(forward_ba
     assert runner.graph_runner is verify_graphs and runner.attn_backend is verify_backend
     # The width-1 draft-extend graphs (bs >= resume floor 1: every size), at width 1.
     width1 = adapter.draft_extend_width1.runner
-    assert [b.batch_size for b, _ in width1.replays] == dyn.warmup_order([2, 8, 16, 24])
+    firsts, rest = dyn.warmup_order([2, 8, 16, 24])
+    assert [b.batch_size for b, _ in width1.replays] == firsts + rest
     for batch, width in width1.replays:
         assert width == 1
         assert batch.forward_mode == "DRAFT_EXTEND_V2"

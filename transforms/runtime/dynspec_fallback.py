@@ -2550,23 +2550,17 @@ DEFAULT_WARMUP_BUDGET_S = 30.0
 FORWARD_BATCH_MODULE = "sglang.srt.model_executor.forward_batch_info"
 
 
-def warmup_order(batch_sizes: list[int]) -> list[int]:
-    """The sizes to replay at warm-up, one of each Triton specialisation first.
+def warmup_order(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
+    """The sizes to replay at warm-up: (the smallest of each Triton specialisation, the other
+    sizes), each ascending.
 
     A replay runs SGLang's eager attention-metadata kernels (the triton backend's
     ``get_num_kv_splits_triton`` in DECODE mode, on int32 buffers no speculative step hands
     it), and Triton compiles a kernel once per specialisation of its integer arguments (== 1,
     divisible by 16) and of its block constant (``MAX_NUM_SEQ``: 256 or the next power of two
-    above). One size of each class first: a budget that runs out then skips only sizes whose
-    kernels are already compiled.
+    above). The first list compiles; a budget that runs out in the second skips only sizes
+    whose kernels are already compiled.
     """
-
-    firsts, rest = _one_of_each_specialisation(batch_sizes)
-    return firsts + rest
-
-
-def _one_of_each_specialisation(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
-    """(the smallest size of each Triton specialisation, the other sizes), each ascending."""
 
     def key(bs: int) -> tuple[bool, bool, int]:
         return bs == 1, bs % 16 == 0, max(256, 1 << (bs - 1).bit_length())
@@ -2716,7 +2710,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             with target_decode_mode(target_runner, graph_attr, decode):
                 replay_graph(decode.runner, batch, bs)
 
-        firsts, rest = _one_of_each_specialisation(decode.batch_sizes)
+        firsts, rest = warmup_order(decode.batch_sizes)
         replays += [("DECODE", functools.partial(replay_decode, bs)) for bs in firsts]
         later += [("DECODE", functools.partial(replay_decode, bs)) for bs in rest]
     width1 = adapter.draft_extend_width1
@@ -2732,7 +2726,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
             with contexts, draft_extend_width1_mode(draft, width1):
                 replay_graph(width1.runner, batch, bs)
 
-        firsts, rest = _one_of_each_specialisation(width1.batch_sizes)
+        firsts, rest = warmup_order(width1.batch_sizes)
         replays += [("width-1 draft-extend", functools.partial(replay_extend, bs)) for bs in firsts]
         later += [("width-1 draft-extend", functools.partial(replay_extend, bs)) for bs in rest]
     kv_write = adapter.draft_kv_write
