@@ -189,6 +189,20 @@ TARGETS: dict[str, Target] = {
             "x__prepare_one_token_verify", "x__one_token_verify_applies",
             "x__v1_one_token_verify",
         ),
+        equivalent=(
+            ("x__prepare_one_token_verify", "'XX, XX'.join(ONE_TOKEN_VERIFY_RELEASES)",
+             "one release: the separator is never written"),
+            *(("x__v1_one_token_verify", piece, "the requests and the tokens are as many (one "
+               "token per request): zip never meets a shorter one")
+              for piece in ("strict=None)", "tokens.tolist(), )", "strict=False)")),
+            ("x__v1_one_token_verify", "if len(running) <= len(batch.reqs)", "keeping every "
+             "row gives the same slots and tokens (copies)"),
+            *(("x__v1_one_token_verify", piece, "on a CPU the default device is the tokens'")
+              for piece in ("device=None)", "dtype=torch.int64, )")),
+            ("x__v1_one_token_verify", "dim=+1)", "the logits are 2-D: dim 1 is dim -1"),
+            ("x__one_token_verify_applies", '"logit_bias", False) is None', "a default that "
+             "is not None fails closed whatever it is"),
+        ),
         why="v1's one-token bookkeeping: where it applies, what it leaves, its refusals"),
     "engine": Target(
         "dynspec_patch/patcher/engine.py",

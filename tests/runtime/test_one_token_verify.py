@@ -68,6 +68,8 @@ def step(world: Any, bs: int, seq_len: int, finishing: tuple[int, ...] = (), **b
     for row, req in enumerate(world.batch.reqs):
         req.require_reasoning = row == 1
         req.max_new_tokens = 1 if row in finishing else 100
+        req.kv_committed_len, req.kv_allocated_len = seq_len, seq_len + 4
+        req.spec_verify_ct = 7  # the speculative steps before this one
     for name, value in batch.items():
         holder = world.batch if name == "return_logprob" else world.batch.sampling_info
         setattr(holder, name, value)
@@ -162,7 +164,8 @@ def test_a_write_only_step_leaves_what_sglang_verify_leaves(shapes, monkeypatch,
     assert [len(r["output_ids"]) for r in reqs] == [1, 1, 1]
     assert [r["finished_reason"] is not None for r in reqs] == [i in finishing for i in range(3)]
     assert reqs[1]["reasoning_tokens"] == [(reqs[1]["output_ids"][0], 5)]
-    assert [r["spec_verify_ct"] for r in reqs] == [1, 1, 1]
+    assert [r["spec_verify_ct"] for r in reqs] == [8, 8, 8]
+    assert [(r["kv_committed_len"], r["kv_allocated_len"]) for r in reqs] == [(12, 12)] * 3
     assert states["1"]["seq_lens"] == [12, 12, 12]  # verify() advanced L + 1 by one
 
 
@@ -200,6 +203,35 @@ def test_a_batch_that_verify_does_more_for_keeps_sglang_verify(shapes, batch):
     assert verifies(world) == 2
 
 
+@pytest.mark.parametrize("missing", ["logit_bias", "has_custom_logit_processor"])
+def test_a_sampling_info_without_a_field_it_reads_keeps_sglang_verify(shapes, missing):
+    """Fail closed: a field it cannot read counts as set."""
+    from tests.runtime.standins import new_decode_batch
+
+    world = make_world(shapes[RELEASE])
+    step(world, 3, 10)
+    new_decode_batch(world, 3, 11)
+    delattr(world.batch.sampling_info, missing)
+    dyn.maybe_fallback_v1(world.worker, world.batch)
+    assert verifies(world) == 2
+
+
+def test_a_draft_input_it_cannot_hand_on_keeps_sglang_verify(shapes):
+    """Rejection sampling's draft_probs: the step runs SGLang's draft-extend, which needs
+    verify()'s draft-extend input."""
+    import torch
+
+    from tests.runtime.standins import new_decode_batch
+
+    world = make_world(shapes[RELEASE])
+    step(world, 3, 10)
+    new_decode_batch(world, 3, 11)
+    world.batch.spec_info.draft_probs = torch.ones(3, 4)
+    dyn.maybe_fallback_v1(world.worker, world.batch)
+    assert verifies(world) == 2
+    assert world.recorder.names().count("draft_extend") == 2
+
+
 def test_penalties_keep_sglang_verify(shapes):
     world = make_world(shapes[RELEASE])
     step(world, 3, 10)
@@ -211,31 +243,80 @@ def test_penalties_keep_sglang_verify(shapes):
     assert verifies(world) == 2
 
 
-def test_a_release_field_it_does_not_know_keeps_sglang_verify(shapes, caplog):
-    """A verify() whose loop touches another request attribute (or lacks one) is refused with
-    one line, naming the difference."""
-    source = shapes[RELEASE].verify_source.replace("req.spec_verify_ct", "req.spec_verify_count")
+@pytest.mark.parametrize(
+    ("edits", "difference"),
+    [
+        ({"req.spec_verify_ct": "req.spec_verify_count"}, "spec_verify_count; not: spec_verify_ct"),
+        (
+            {"req.check_finished()": "req.check_finished() or req.alpha or req.beta"},
+            "alpha, beta; not: -",
+        ),
+        (
+            {"req.spec_verify_ct": "other.spec_verify_ct", "req.grammar": "other.grammar"},
+            "-; not: grammar, spec_verify_ct",
+        ),
+    ],
+    ids=["renamed", "two-more", "two-fewer"],
+)
+def test_a_release_field_it_does_not_know_keeps_sglang_verify(shapes, caplog, edits, difference):
+    """A verify() whose loop touches another request attribute, or not one it repeats, is
+    refused with one warning naming the difference."""
+    source = shapes[RELEASE].verify_source
+    for old, new in edits.items():
+        assert old in source
+        source = source.replace(old, new)
     world = make_world(dataclasses.replace(shapes[RELEASE], verify_source=source))
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
         step(world, 3, 10)
         step(world, 3, 11)
     assert verifies(world) == 2
-    lines = [r.getMessage() for r in caplog.records if "one-token bookkeeping" in r.getMessage()]
-    assert lines == [
-        "[dynspec] v1 one-token bookkeeping not used: verify()'s request loop is not the one "
-        "it repeats (it also touches: spec_verify_count; not: spec_verify_ct); fallback steps "
-        "run SGLang's verify()"
+    records = [r for r in caplog.records if "one-token bookkeeping" in r.getMessage()]
+    why = f"verify()'s request loop is not the one it repeats (it also touches: {difference})"
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (
+            logging.WARNING,
+            f"[dynspec] v1 one-token bookkeeping not used: {why}; fallback steps run SGLang's "
+            "verify()",
+        )
     ]
+    assert dyn._adapters[type(world.worker)].one_token_verify_note == f"SGLang's verify() ({why})"
+
+
+def test_a_later_tp_rank_does_not_warn(shapes, caplog):
+    source = shapes[RELEASE].verify_source.replace("req.spec_verify_ct", "req.spec_verify_count")
+    world = make_world(dataclasses.replace(shapes[RELEASE], verify_source=source))
+    world.worker.tp_rank = 1
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+        step(world, 3, 11)
+    assert verifies(world) == 2
+    assert not [r for r in caplog.records if "one-token bookkeeping" in r.getMessage()]
+
+
+def test_a_verify_without_readable_source_keeps_sglang_verify(shapes):
+    """As a release installed without its .py files: nothing to read, nothing replaced."""
+    import linecache
+
+    world = make_world(shapes[RELEASE])
+    linecache.cache.pop(world.module.EagleVerifyInput.verify.__code__.co_filename)
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert verifies(world) == 2
+    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+        "SGLang's verify() (cannot read verify()'s source (OSError))"
+    )
 
 
 def test_simulated_acceptance_keeps_sglang_verify(shapes, monkeypatch):
     world = make_world(shapes[RELEASE])
     verify_module = sys.modules[world.module.EagleVerifyInput.__module__]
-    monkeypatch.setattr(verify_module, "SIMULATE_ACC_LEN", 2.5, raising=False)
+    monkeypatch.setattr(verify_module, "SIMULATE_ACC_LEN", 1.0, raising=False)
     step(world, 3, 10)
     step(world, 3, 11)
     assert verifies(world) == 2
-    assert "SIMULATE_ACC_LEN" in dyn._adapters[type(world.worker)].one_token_verify_note
+    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+        "SGLang's verify() (SGLang simulates acceptance (SIMULATE_ACC_LEN))"
+    )
 
 
 def test_without_the_draft_kv_write_it_is_not_used(shapes, monkeypatch):
@@ -244,7 +325,9 @@ def test_without_the_draft_kv_write_it_is_not_used(shapes, monkeypatch):
     step(world, 3, 10)
     step(world, 3, 11)
     assert verifies(world) == 2
-    assert "draft KV write, which is off" in dyn._adapters[type(world.worker)].one_token_verify_note
+    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+        "SGLang's verify() (it runs only on steps of the draft KV write, which is off)"
+    )
 
 
 @pytest.mark.parametrize(("release", "on"), [(RELEASE, True), ("0.5.11", False), (None, False)])
@@ -258,8 +341,12 @@ def test_on_by_default_only_on_a_release_it_ran_on(shapes, monkeypatch, release,
     step(world, 3, 10)
     step(world, 3, 11)
     assert verifies(world) == (1 if on else 2)
-    note = dyn._adapters[type(world.worker)].one_token_verify_note
-    assert note.startswith("one-token") if on else "DYNSPEC_V1_ONE_TOKEN_VERIFY=1" in note
+    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+        "one-token bookkeeping on write-only steps of greedy batches"
+        if on
+        else "SGLang's verify() (DYNSPEC_V1_ONE_TOKEN_VERIFY=1 turns the one-token bookkeeping "
+        "on; by default only on SGLang 0.5.12.post1, where it has run on a GPU)"
+    )
 
 
 def test_zero_turns_it_off_where_it_ran(shapes, monkeypatch):

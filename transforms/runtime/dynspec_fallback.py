@@ -3438,8 +3438,7 @@ def _v1_one_token_verify(adapter: Adapter, batch: Any, logits_output: Any) -> An
 
     tokens = torch.argmax(logits_output.next_token_logits, dim=-1).to(torch.int32)
     batch.seq_lens.add_(1)
-    if getattr(batch, "seq_lens_cpu", None) is not None:
-        batch.seq_lens_cpu.add_(1)
+    batch.seq_lens_cpu.add_(1)
     think_end_id = batch.model_config.think_end_id
     running = []
     for i, (req, token) in enumerate(zip(batch.reqs, tokens.tolist(), strict=True)):
