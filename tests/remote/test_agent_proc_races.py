@@ -48,6 +48,17 @@ class VanishOnRead:
 @pytest.fixture
 def victim() -> Iterator[subprocess.Popen]:
     proc = subprocess.Popen(SERVER_LIKE)
+    # Until the child has exec'd, /proc/PID/cmdline is still this test's, and the agent would
+    # not take it for a server (a race that made the [status] case fail under load).
+    argv = "\0".join(SERVER_LIKE).encode()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as fh:
+            if fh.read().rstrip(b"\0") == argv:
+                break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the victim process never exec'd its argv")
     yield proc
     if proc.poll() is None:
         proc.kill()
