@@ -80,6 +80,14 @@ def verifies(world: Any) -> int:
     return world.recorder.names().count("verify")
 
 
+def note_when_refused(world: Any) -> str:
+    """Run a checking step and a write-only step; both must keep SGLang's verify(). The note."""
+    step(world, 3, 10)
+    step(world, 3, 11)
+    assert verifies(world) == 2
+    return dyn._adapters[type(world.worker)].one_token_verify_note
+
+
 def state(world: Any, result: Any) -> dict[str, Any]:
     """Everything a step leaves that the scheduler or the next step reads."""
     import torch
@@ -299,10 +307,7 @@ def test_a_verify_without_readable_source_keeps_sglang_verify(shapes):
 
     world = make_world(shapes[RELEASE])
     linecache.cache.pop(world.module.EagleVerifyInput.verify.__code__.co_filename)
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert verifies(world) == 2
-    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+    assert note_when_refused(world) == (
         "SGLang's verify() (cannot read verify()'s source (OSError))"
     )
 
@@ -311,10 +316,7 @@ def test_simulated_acceptance_keeps_sglang_verify(shapes, monkeypatch):
     world = make_world(shapes[RELEASE])
     verify_module = sys.modules[world.module.EagleVerifyInput.__module__]
     monkeypatch.setattr(verify_module, "SIMULATE_ACC_LEN", 1.0, raising=False)
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert verifies(world) == 2
-    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+    assert note_when_refused(world) == (
         "SGLang's verify() (SGLang simulates acceptance (SIMULATE_ACC_LEN))"
     )
 
@@ -322,10 +324,7 @@ def test_simulated_acceptance_keeps_sglang_verify(shapes, monkeypatch):
 def test_without_the_draft_kv_write_it_is_not_used(shapes, monkeypatch):
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "0")
     world = make_world(shapes[RELEASE])
-    step(world, 3, 10)
-    step(world, 3, 11)
-    assert verifies(world) == 2
-    assert dyn._adapters[type(world.worker)].one_token_verify_note == (
+    assert note_when_refused(world) == (
         "SGLang's verify() (it runs only on steps of the draft KV write, which is off)"
     )
 
