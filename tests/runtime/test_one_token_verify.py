@@ -155,7 +155,10 @@ def test_only_the_release_whose_verify_loop_it_repeats_qualifies(shapes):
 )
 def test_a_write_only_step_leaves_what_sglang_verify_leaves(shapes, monkeypatch, finishing):
     """The same steps with the bookkeeping and with SGLang's verify(): the same requests,
-    lengths, slots, next draft input, result and draft KV."""
+    lengths, slots, next draft input, result and draft KV. Where every request finishes,
+    verify()'s step stores no draft KV, and the bookkeeping's has already written the
+    step's slots, which the scheduler frees with the requests: the draft KV is the same
+    everywhere else."""
     states = {}
     for lever in ("1", "0"):
         monkeypatch.setenv(dyn.ONE_TOKEN_VERIFY_ENV, lever)
@@ -167,6 +170,12 @@ def test_a_write_only_step_leaves_what_sglang_verify_leaves(shapes, monkeypatch,
         states[lever] = state(world, result)
         assert verifies(world) == (1 if lever == "1" else 2)
         assert dyn._adapters[type(world.worker)].one_token_verify is (lever == "1")
+        slots = [d for n, d in world.recorder.events if n == "target_forward"][-1]["out_cache_loc"]
+    if len(finishing) == 3:
+        for key in ("draft_k", "draft_v"):
+            assert not states["1"][key][slots].eq(0).all() and states["0"][key][slots].eq(0).all()
+            for lever in ("1", "0"):
+                states[lever][key][slots] = 0
     assert_same(states["1"], states["0"])
     reqs = states["1"]["reqs"]
     assert [len(r["output_ids"]) for r in reqs] == [1, 1, 1]
@@ -192,6 +201,24 @@ def test_several_write_only_steps_and_the_resume_match_sglang_verify(shapes, mon
     for mine, sglang in zip(states["1"], states["0"], strict=True):
         assert_same(mine, sglang)
     assert calls == {"1": 2, "0": 5}  # the checking step and the resume step keep verify()
+
+
+def test_the_write_is_launched_once_before_the_bookkeeping_reads_the_tokens(shapes):
+    """The draft KV write needs only the tokens, so it goes to the GPU before the one host
+    sync (and the host loop after it), not behind them; and only once."""
+    world = make_world(shapes[RELEASE])
+    step(world, 3, 10)  # the checking step
+    kv_write = dyn._adapters[type(world.worker)].draft_kv_write
+    write, seen = kv_write.write, []
+
+    def spy(tokens: Any, hidden: Any, positions: Any, loc: Any) -> Any:
+        seen.append(([len(r.output_ids) for r in world.batch.reqs], positions.tolist()))
+        return write(tokens, hidden, positions, loc)
+
+    kv_write.write = spy
+    step(world, 3, 11)
+    assert verifies(world) == 1
+    assert seen == [([0, 0, 0], [11, 11, 11])]  # nothing booked yet; the token's positions
 
 
 @pytest.mark.parametrize(

@@ -3199,8 +3199,16 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False
     #     verify() does it, or, on a write-only step of a plain greedy batch, the same for one
     #     token without verify()'s tree kernels and host synchronisations
     hidden = logits_output.hidden_states
-    if _one_token_verify_applies(adapter, batch, draft_input, full_draft):
-        res = _v1_one_token_verify(adapter, batch, logits_output)
+    stub = _write_only_stub(adapter, draft_input, full_draft)
+    written = False
+    if stub is not None and _one_token_verify_applies(adapter, batch):
+        tokens = torch.argmax(logits_output.next_token_logits, dim=-1).to(torch.int32)
+        # The draft KV write needs only the tokens: launched before the bookkeeping's one host
+        # sync, the GPU runs it while the host waits for the tokens, not after the host loop.
+        with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
+            adapter.draft_kv_write.write(tokens, hidden, batch.seq_lens, slots)
+        written = True
+        res = _v1_one_token_verify(adapter, batch, tokens)
     else:
         vi.hidden_states = hidden
         verify_args = [batch, logits_output, worker.token_to_kv_pool_allocator, worker.page_size]
@@ -3221,7 +3229,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False
     # (f) draft KV sync: the draft KV write alone, or the worker's own draft-extend (which
     #     also makes a fresh draft state)
     tokens = getattr(res, adapter.name("vo_tokens"))
-    phase = _v1_draft(worker, adapter, batch, res, draft_input, tokens, hidden, slots, full_draft)
+    phase = _v1_draft(worker, adapter, batch, res, stub, tokens, hidden, slots, written)
     adapter.profiler.mark(phase)
 
     # (g) the same result contract as the speculative path, with zero accepted drafts
@@ -3244,34 +3252,33 @@ def _v1_draft(
     adapter: Adapter,
     batch: Any,
     res: Any,
-    draft_input: Any,
+    stub: tuple[Any, Any, Any] | None,
     tokens: Any,
     hidden: Any,
     slots: Any,
-    full_draft: bool,
+    written: bool,
 ) -> str:
     """The draft's part of a v1 fallback step, after verify(); the phase it ran.
 
-    As on v2 (``_v2_draft``): once checked, the draft KV write alone, and the next draft input
-    carries the incoming draft state of the requests still running (never drafted from);
-    else, and always where ``full_draft``, the worker's draft-extend. The check needs a step
-    in which no request finished (SGLang's draft-extend then stores every row).
+    As on v2 (``_v2_draft``): once checked, the draft KV write alone (unless ``written``
+    already, by the one-token bookkeeping), and the next draft input carries the incoming
+    draft state ``stub`` of the requests still running (never drafted from); else, and
+    always where ``stub`` is None, the worker's draft-extend. The check needs a step in which
+    no request finished (SGLang's draft-extend then stores every row).
     """
     next_input = getattr(res, adapter.name("vo_next_input"))
     kv_write = adapter.draft_kv_write
-    rows = next_input.input_ids.shape[0] if kv_write is not None else 0
-    stub = None
-    if kv_write is not None and not kv_write.broken and not full_draft and rows > 0:
-        stub = _draft_state_stub(draft_input)
+    rows = next_input.input_ids.shape[0] if stub is not None else 0
     tp = _draft_tp(adapter, worker)
-    if kv_write is None or stub is None or not (kv_write.checked or rows == len(batch.reqs)):
+    if rows == 0 or not (kv_write.checked or rows == len(batch.reqs)):
         _v1_draft_extend(worker, adapter, batch, next_input, tp)
         adapter.draft_state_stale = False
         return "draft_extend"
     positions = batch.seq_lens - 1  # verify() advanced them by the one token
     if kv_write.checked:
-        with _draft_contexts(adapter, *tp):
-            kv_write.write(tokens, hidden, positions, slots)
+        if not written:
+            with _draft_contexts(adapter, *tp):
+                kv_write.write(tokens, hidden, positions, slots)
         if rows != len(batch.reqs):  # as verify() filtered the draft-extend input
             import torch
 
@@ -3295,6 +3302,18 @@ def _v1_draft(
     adapter.draft_state_stale = False
     _check_draft_kv_write(worker, adapter, kv_write, mine, slots)
     return "draft_extend"
+
+
+def _write_only_stub(
+    adapter: Adapter, draft_input: Any, full_draft: bool
+) -> tuple[Any, Any, Any] | None:
+    """The draft state a step that may write the draft KV alone hands on, or None: this step
+    runs the worker's draft-extend (the write is off or broke, speculation resumes next, or
+    the draft input cannot be handed on)."""
+    kv_write = adapter.draft_kv_write
+    if kv_write is None or kv_write.broken or full_draft:
+        return None
+    return _draft_state_stub(draft_input)
 
 
 def _v1_draft_extend(
@@ -3398,17 +3417,12 @@ def _prepare_one_token_verify(adapter: Adapter, worker: Any) -> None:
     adapter.one_token_verify_note = "one-token bookkeeping on write-only steps of greedy batches"
 
 
-def _one_token_verify_applies(
-    adapter: Adapter, batch: Any, draft_input: Any, full_draft: bool
-) -> bool:
-    """Whether this step's bookkeeping is ``_v1_one_token_verify``'s: a draft KV write step
-    (checked, not the step before speculation resumes) of a batch that verify() would only
-    argmax: all greedy, no penalties, logit bias, custom logit processor, grammar or logprobs.
-    Any other step runs SGLang's verify()."""
-    kv_write = adapter.draft_kv_write
-    if not adapter.one_token_verify or kv_write is None or full_draft:
-        return False
-    if not kv_write.checked or kv_write.broken or _draft_state_stub(draft_input) is None:
+def _one_token_verify_applies(adapter: Adapter, batch: Any) -> bool:
+    """Whether the bookkeeping of a step that may write the draft KV alone is
+    ``_v1_one_token_verify``'s: the write is checked, and verify() would only argmax: all
+    greedy, no penalties, logit bias, custom logit processor, grammar or logprobs. Any other
+    step runs SGLang's verify()."""
+    if not adapter.one_token_verify or not adapter.draft_kv_write.checked:
         return False
     info = batch.sampling_info
     return (
@@ -3421,10 +3435,10 @@ def _one_token_verify_applies(
     )
 
 
-def _v1_one_token_verify(adapter: Adapter, batch: Any, logits_output: Any) -> Any:
+def _v1_one_token_verify(adapter: Adapter, batch: Any, tokens: Any) -> Any:
     """What SGLang's v1 verify() does for a one-node tree of a greedy batch, and its output.
 
-    The token is the argmax (verify()'s greedy tree kernel accepts exactly that); then, as
+    ``tokens`` are the argmax (verify()'s greedy tree kernel accepts exactly that); then, as
     verify(): the lengths grow by one, each request appends its token and checks whether it
     finished, its KV accounting and speculative counters advance (0 drafts accepted), and
     the batch keeps the KV slots of the requests still running. One host synchronisation
@@ -3436,7 +3450,6 @@ def _v1_one_token_verify(adapter: Adapter, batch: Any, logits_output: Any) -> An
     """
     import torch
 
-    tokens = torch.argmax(logits_output.next_token_logits, dim=-1).to(torch.int32)
     batch.seq_lens.add_(1)
     batch.seq_lens_cpu.add_(1)
     think_end_id = batch.model_config.think_end_id

@@ -31,7 +31,8 @@
 #   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540), VARIANT_ENV (extra
 #   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
 #   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
-#   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels),
+#   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels), PROFILE_ARGS
+#   (more profile_steps.py options, e.g. "--olen 2048 --settle 8": 30 steady decode steps),
 #   JITWARM_SKIP (setup: kernels jitwarm.py leaves to the server, e.g. clamp_position),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
@@ -175,7 +176,7 @@ session)
       if [ -n "${PROFILE_AT:-}" ]; then   # where a loaded step's time goes (torch profiler, GPU only)
         case "$V" in check-*) ;; *)
           timeout 120 "$PY" "$HERE/profile_steps.py" "http://127.0.0.1:$PORT" "$RES" "$V" \
-            --concurrency "$PROFILE_AT" --trace-root "$WORK/profiles";;
+            --concurrency "$PROFILE_AT" --trace-root "$WORK/profiles" ${PROFILE_ARGS:-};;
         esac
       fi
     else
