@@ -142,6 +142,7 @@ class SweepStub(JsonHandler):
 
     write_trace = True
     kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
+    slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
@@ -160,9 +161,11 @@ class SweepStub(JsonHandler):
                     json.dump({"traceEvents": events}, f)
             self._reply({"success": True})
             return
-        time.sleep(0.02)
+        ids = body["input_ids"]
+        time.sleep(0.06 if ids[0] % 2 == self.slow_parity else 0.02)
         n = body["sampling_params"]["max_new_tokens"]
-        self._reply({"output_ids": [5] * n, "meta_info": {"completion_tokens": n}})
+        output = [ids[i % len(ids)] for i in range(n)] if self.slow_parity is not None else [5] * n
+        self._reply({"output_ids": output, "meta_info": {"completion_tokens": n}})
 
 
 @pytest.fixture
@@ -170,6 +173,7 @@ def stub_url() -> Iterator[str]:
     with serving(SweepStub) as url:
         yield url
     SweepStub.write_trace = True
+    SweepStub.slow_parity = None
 
 
 def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
@@ -188,6 +192,23 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         # a closed loop: every client sent its next request until the time was up (20 ms each)
         assert d["requests"] >= 10 * d["concurrency"], d
         assert d["output_tokens"] == 8 * d["requests"]
+
+
+def test_greedy_outputs_under_load_are_kept_by_prompt(stub_url, tmp_path):
+    """Two servers whose timings differ (which prompts answer slowly is swapped) finish
+    different numbers of requests per client; the outputs kept for comparison are still
+    those of the same 16 prompts, in prompt order."""
+    kept = []
+    for parity in (0, 1):
+        SweepStub.slow_parity = parity
+        out = tmp_path / f"sweep-{parity}.json"
+        cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
+               "--levels", "16", "--greedy", "1", "--olen", "4", "--duration", "0.4"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        kept.append(json.loads(out.read_text())["greedy_at_max_conc"])
+    assert len(kept[0]) == 16 and None not in kept[0]
+    assert len({tuple(o) for o in kept[0]}) == 16  # 16 different prompts (their first ids)
+    assert kept[0] == kept[1]
 
 
 def run_profile(url: str, tmp_path: Path) -> dict:

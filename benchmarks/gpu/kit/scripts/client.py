@@ -78,21 +78,29 @@ def run(reqs, conc):
 
 
 def run_for(seed, conc, duration):
-    """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed."""
+    """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
+
+    Returns (results, wall seconds, output_ids of the first answer to each prompt of the
+    pool by prompt index). Client k sends prompts k, k + conc, ...: how many each one
+    finishes depends on the server's timing, so outputs are compared by prompt, never by
+    position in the results."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
+    by_prompt = {}
 
     def client(k):
         done, i = [], k
         while time.perf_counter() - t0 < duration:
-            done.append(gen(pool[i % len(pool)]))
+            r = gen(pool[i % len(pool)])
+            by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
+            done.append(r)
             i += conc
         return done
 
     with ThreadPoolExecutor(conc) as ex:
         res = [r for part in ex.map(client, range(conc)) for r in part]
-    return res, time.perf_counter() - t0
+    return res, time.perf_counter() - t0, by_prompt
 
 
 def summarize(res, wall, conc):
@@ -156,9 +164,11 @@ for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.re
     n = max(a.min_reqs, a.mult * c)
     try:
         if a.duration > 0:
-            res, wall = run_for(1000 + c + 7919 * rep, c, a.duration)
+            res, wall, by_prompt = run_for(1000 + c + 7919 * rep, c, a.duration)
+            firsts = [by_prompt.get(i) for i in range(min(16, c))]
         else:
             res, wall = run(prompts(1000 + c, n), c)
+            firsts = [r.get("output_ids") for r, _ in res[:16]]
         d = summarize(res, wall, c)
         d["repeat"] = rep
         if a.duration > 0:
@@ -166,8 +176,8 @@ for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.re
         if rep == 0 and c == max(
             int(x) for x in a.levels.split(",")
         ):  # greedy outputs of the fixed prompts under load
-            d["note"] = "output_ids of the first 16 requests kept in greedy_at_max_conc"
-            out["greedy_at_max_conc"] = [r.get("output_ids") for r, _ in res[:16]]
+            d["note"] = "output_ids of prompts 0-15 kept in greedy_at_max_conc"
+            out["greedy_at_max_conc"] = firsts
     except Exception as e:
         d = dict(concurrency=c, error=repr(e))
         out["errors"].append(f"c={c}: {e!r}")
