@@ -155,7 +155,9 @@ def test_verify_done_is_recorded_before_the_target_forward_after_new_seq_lens(
     assert names.index("verify_done") < names.index("target_forward")
 
 
-def test_on_publish_gets_new_seq_lens_before_the_draft_extend(shapes):
+def test_on_publish_gets_new_seq_lens_before_the_target_forward(shapes):
+    """0.5.13+'s scheduler waits on the event on_publish records before it prepares the next
+    batch: published before the target forward, that wait overlaps this step's GPU work."""
     world = make_world(shapes, "0.5.13.post1", batch_size=2, seq_len=5)
     published = []
 
@@ -166,7 +168,8 @@ def test_on_publish_gets_new_seq_lens_before_the_draft_extend(shapes):
     assert len(published) == 1
     lens, seen_before = published[0]
     assert lens == [6, 6]
-    assert "draft_extend_v2" not in seen_before
+    assert "target_forward" not in seen_before and "draft_extend_v2" not in seen_before
+    assert "target_forward" in world.recorder.names()
 
 
 @pytest.mark.parametrize(

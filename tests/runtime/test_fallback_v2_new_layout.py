@@ -109,7 +109,7 @@ def test_target_forward_gets_full_hidden_capture_the_way_the_release_reads_it(sh
 
 
 @pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
-def test_on_publish_once_with_the_new_seq_lens_before_the_draft_extend(shapes, version):
+def test_on_publish_once_with_the_new_seq_lens_before_the_target_forward(shapes, version):
     world = make_world(shapes, version, batch_size=2, seq_len=5)
     published = []
 
@@ -120,7 +120,8 @@ def test_on_publish_once_with_the_new_seq_lens_before_the_draft_extend(shapes, v
     assert len(published) == 1
     lens, seen_before = published[0]
     assert lens == [6, 6]
-    assert "sample" in seen_before and "draft_extend_v2" not in seen_before
+    assert "target_forward" not in seen_before and "sample" not in seen_before
+    assert {"target_forward", "sample"} <= set(world.recorder.names())
 
 
 @pytest.mark.parametrize(

@@ -3548,8 +3548,13 @@ def _v2_step(
     # the next batch (<= 0.5.12.post1), record it now: SGLang records it after its verify's
     # sampling, and then its draft's work hides the scheduler's; a fallback step has almost
     # no draft work after sampling, so the GPU would idle while the scheduler prepares.
+    # The same on 0.5.13+, whose scheduler waits on the event ``on_publish`` records before
+    # it prepares the next batch: publish the lengths before the target forward, not after
+    # the sampling as SGLang's verify does (plain decoding's scheduler does not wait at all).
     new_seq_lens = batch.seq_lens + 1
     verify_done = _event_recorded(device) if adapter.names["di_verify_done"] else None
+    if on_publish is not None:
+        on_publish(new_seq_lens)
 
     # The scheduler over-allocated >= stride slots from L on; read them (never allocate).
     req_to_token = worker.req_to_token_pool.req_to_token
@@ -3601,8 +3606,6 @@ def _v2_step(
         out_stride,
         keep_alive=decode_batch,
     )
-    if on_publish is not None:  # 0.5.13.x: publish before the draft-extend, as verify does
-        on_publish(new_seq_lens)
     adapter.profiler.mark("pad_result")
 
     # 4) draft KV sync: the draft KV write alone, or SGLang's draft-extend (width-1, else the
