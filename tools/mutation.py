@@ -187,7 +187,7 @@ TARGETS: dict[str, Target] = {
         functions=(
             "x_verify_request_attributes", "x__one_token_verify_refusal",
             "x__prepare_one_token_verify", "x__one_token_verify_applies",
-            "x__v1_one_token_verify",
+            "x__v1_one_token_verify", "x__write_only_stub", "x__v1_draft",
         ),
         equivalent=(
             ("x__prepare_one_token_verify", "'XX, XX'.join(ONE_TOKEN_VERIFY_RELEASES)",
@@ -199,9 +199,14 @@ TARGETS: dict[str, Target] = {
              "row gives the same slots and tokens (copies)"),
             *(("x__v1_one_token_verify", piece, "on a CPU the default device is the tokens'")
               for piece in ("device=None)", "dtype=torch.int64, )")),
-            ("x__v1_one_token_verify", "dim=+1)", "the logits are 2-D: dim 1 is dim -1"),
             ("x__one_token_verify_applies", '"logit_bias", False) is None', "a default that "
              "is not None fails closed whatever it is"),
+            ("x__v1_draft", "draft_state_stale = None", "only ever read as a truth value"),
+            ("x__v1_draft", "running, dtype=None,", "a list of ints makes an int64 tensor"),
+            ("x__v1_draft", "running, device=tokens.device)", "a list of ints makes an int64 "
+             "tensor"),
+            *(("x__v1_draft", piece, "on a CPU the default device is the tokens'")
+              for piece in ("device=None)", "dtype=torch.int64, )")),
         ),
         why="v1's one-token bookkeeping: where it applies, what it leaves, its refusals"),
     "engine": Target(
