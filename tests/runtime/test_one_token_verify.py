@@ -222,11 +222,14 @@ def test_the_write_is_launched_once_before_the_bookkeeping_reads_the_tokens(shap
 
 
 def test_the_profile_names_the_draft_phase_each_step_ran(shapes, monkeypatch):
-    """DYNSPEC_PROFILE's phases: the checking step ran the draft-extend, the next the write."""
+    """DYNSPEC_PROFILE's phases: a step that cannot check the write (a request finished) and
+    the checking step ran the draft-extend, the next one the write."""
     monkeypatch.setenv(dyn.PROFILE_ENV, "1")
     world = make_world(shapes[RELEASE])
-    step(world, 3, 10)
+    step(world, 4, 9, finishing=(0,))
     profiler = dyn._adapters[type(world.worker)].profiler
+    assert list(profiler.summary()[4]) == ["prepare", "target", "verify", "draft_extend", "end"]
+    step(world, 3, 10)
     assert list(profiler.summary()[3]) == ["prepare", "target", "verify", "draft_extend", "end"]
     step(world, 3, 11)
     assert "draft_kv_write" in profiler.summary()[3]
