@@ -3200,12 +3200,13 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False
     #     token without verify()'s tree kernels and host synchronisations
     hidden = logits_output.hidden_states
     stub = _write_only_stub(adapter, draft_input, full_draft)
+    tp = _draft_tp(adapter, worker)
     written = False
     if stub is not None and _one_token_verify_applies(adapter, batch):
         tokens = torch.argmax(logits_output.next_token_logits, dim=-1).to(torch.int32)
         # The draft KV write needs only the tokens: launched before the bookkeeping's one host
         # sync, the GPU runs it while the host waits for the tokens, not after the host loop.
-        with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
+        with _draft_contexts(adapter, *tp):
             adapter.draft_kv_write.write(tokens, hidden, batch.seq_lens, slots)
         written = True
         res = _v1_one_token_verify(adapter, batch, tokens)
@@ -3229,7 +3230,7 @@ def _v1_step(worker: Any, adapter: Adapter, batch: Any, full_draft: bool = False
     # (f) draft KV sync: the draft KV write alone, or the worker's own draft-extend (which
     #     also makes a fresh draft state)
     tokens = getattr(res, adapter.name("vo_tokens"))
-    phase = _v1_draft(worker, adapter, batch, res, stub, tokens, hidden, slots, written)
+    phase = _v1_draft(worker, adapter, batch, res, stub, tokens, hidden, slots, tp, written)
     adapter.profiler.mark(phase)
 
     # (g) the same result contract as the speculative path, with zero accepted drafts
@@ -3256,6 +3257,7 @@ def _v1_draft(
     tokens: Any,
     hidden: Any,
     slots: Any,
+    tp: tuple[Any, Any],
     written: bool,
 ) -> str:
     """The draft's part of a v1 fallback step, after verify(); the phase it ran.
@@ -3269,16 +3271,14 @@ def _v1_draft(
     next_input = getattr(res, adapter.name("vo_next_input"))
     kv_write = adapter.draft_kv_write
     rows = next_input.input_ids.shape[0] if stub is not None else 0
-    tp = _draft_tp(adapter, worker)
     if rows == 0 or not (kv_write.checked or rows == len(batch.reqs)):
         _v1_draft_extend(worker, adapter, batch, next_input, tp)
         adapter.draft_state_stale = False
         return "draft_extend"
-    positions = batch.seq_lens - 1  # verify() advanced them by the one token
     if kv_write.checked:
-        if not written:
+        if not written:  # (verify() advanced the lengths by the one token)
             with _draft_contexts(adapter, *tp):
-                kv_write.write(tokens, hidden, positions, slots)
+                kv_write.write(tokens, hidden, batch.seq_lens - 1, slots)
         if rows != len(batch.reqs):  # as verify() filtered the draft-extend input
             import torch
 
@@ -3297,7 +3297,7 @@ def _v1_draft(
         adapter.draft_state_stale = True
         return "draft_kv_write"
     with _draft_contexts(adapter, *tp):  # the draft-extend stores these slots again
-        mine = kv_write.write(tokens, hidden, positions, slots)
+        mine = kv_write.write(tokens, hidden, batch.seq_lens - 1, slots)
     _v1_draft_extend(worker, adapter, batch, next_input, tp)
     adapter.draft_state_stale = False
     _check_draft_kv_write(worker, adapter, kv_write, mine, slots)
