@@ -13,7 +13,7 @@ pytestmark = pytest.mark.torch
 
 RANK = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
 
     import torch.distributed as dist
 
@@ -64,7 +64,10 @@ RANK = textwrap.dedent(
     print(json.dumps({"decisions": decisions, "switches": controller.policy.n_switches,
                       "syncs": controller.n_syncs}), flush=True)
     dist.barrier()  # neither rank tears the group down while the other still uses it
-    dist.destroy_process_group()
+    # gloo's threads can abort the process as it exits ('terminate called without an
+    # active exception', once in a CI run even after the barrier): leave without
+    # running teardown; the answer is printed and flushed, and both ranks are done
+    os._exit(0)
     """
 )
 

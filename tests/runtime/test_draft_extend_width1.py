@@ -358,7 +358,7 @@ def test_all_ranks_agree_without_a_group():
 
 
 AGREE_ON_RANK = """
-import sys, types
+import os, sys, types
 import torch.distributed as dist
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
 
@@ -368,7 +368,10 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 group = types.SimpleNamespace(world_size=world, cpu_group=dist.group.WORLD)
 print(dyn._all_ranks_agree(group, ok), flush=True)
 dist.barrier()  # neither rank tears the group down while the other still uses it
-dist.destroy_process_group()
+# gloo's threads can abort the process as it exits ('terminate called without an
+# active exception', once in a CI run even after the barrier): leave without
+# running teardown; the answer is printed and flushed, and both ranks are done
+os._exit(0)
 """
 
 
