@@ -33,6 +33,7 @@ class CraftedStub(JsonHandler):
 
     drop_at: int | None = None
     lock = threading.Lock()
+    lengths: ClassVar[list[int]] = []  # max_new_tokens of each request, in arrival order
     in_flight: ClassVar[list[int]] = []
     seen: ClassVar[list[tuple[str, frozenset[str]]]] = []  # (region, regions in flight then)
 
@@ -45,6 +46,7 @@ class CraftedStub(JsonHandler):
         ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         region = crafted.REGIONS[crafted.region_of(ids[0])][0]
         with self.lock:
+            self.lengths.append(n)
             self.in_flight.append(crafted.region_of(ids[0]))
             names = frozenset(crafted.REGIONS[i][0] for i in self.in_flight)
             self.seen.append((region, names))
@@ -64,6 +66,7 @@ def crafted_url() -> Iterator[str]:
         yield url
     CraftedStub.drop_at = None
     CraftedStub.seen.clear()
+    CraftedStub.lengths.clear()
 
 
 def run_envelope(url: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -121,6 +124,30 @@ def test_a_stream_that_skips_a_token_counts_as_mismatched(crafted_url, tmp_path)
     assert level["requests"] > 0 and level["mismatched"] == level["requests"]
 
 
+def test_a_length_spread_gives_each_request_its_own_checked_length_the_same_on_every_run(
+    crafted_url, tmp_path
+):
+    def lengths_of_one_client() -> list[int]:
+        CraftedStub.lengths.clear()
+        out = tmp_path / "env.json"
+        run_envelope(crafted_url, out, "--levels", "1", "--regions", "accept50", "--duration",
+                     "0.3", "--repeats", "1", "--olen", "20", "--olen-spread", "0.5")
+        (level,) = json.loads(out.read_text())["levels"]
+        assert level["mismatched"] == 0 and level["failed"] == 0  # each checked at its length
+        assert level["output_tokens"] == sum(CraftedStub.lengths[-level["requests"]:])
+        return CraftedStub.lengths[8:]  # after the 8 warm-up requests (OLEN each)
+
+    first = lengths_of_one_client()
+    assert len(first) >= 3 and all(10 <= n <= 30 for n in first) and len(set(first)) > 1
+    second = lengths_of_one_client()
+    shared = min(len(first), len(second))
+    assert first[:shared] == second[:shared]  # one client: the same requests on every server
+    unspread = subprocess.run(
+        [sys.executable, str(GPU / "kit" / "scripts" / "envelope.py"), "-", "-", "-",
+         "--olen-spread", "1.0", "--estimate"], capture_output=True, text=True)
+    assert unspread.returncode == 2 and "--olen-spread in [0, 1)" in unspread.stderr
+
+
 def test_the_estimate_counts_levels_regions_repeats_and_the_tail():
     cmd = [sys.executable, str(GPU / "kit" / "scripts" / "envelope.py"), "-", "-", "-",
            "--levels", "1,4,16", "--regions", "accept0,mix", "--duration", "5", "--repeats", "2",
@@ -132,6 +159,9 @@ def test_the_estimate_counts_levels_regions_repeats_and_the_tail():
     assert int(with_burst) == round(15 + (3 * 2 * 2 + 3) * (5 + 100 * 0.02))
     bad = subprocess.run([*cmd[:5], "--regions", "accept42", "--estimate"], capture_output=True)
     assert bad.returncode == 2
+    spread = subprocess.run([*cmd, "--olen-spread", "0.5"], check=True, capture_output=True,
+                            text=True).stdout
+    assert int(spread) == round(15 + 3 * 2 * 2 * (5 + 150 * 0.02))  # the longest request
 
 
 def level(region: str, c: int, tok_s: float, repeat: int = 0) -> dict:

@@ -392,7 +392,7 @@ def verified(measurements: Measurements, steps, *, probe=False, first_step=0):
     """Feed ``measurements`` resolved speculative steps: ``(requests, tokens per request)``."""
     for i, (requests, tokens) in enumerate(steps):
         measurements.add(_Measured(first_step + i, True, requests, requests, 5.0,
-                                   constant(tokens), probe=probe))
+                                   constant(tokens), in_fallback=probe))
     measurements.resolve(first_step + len(steps))
 
 
@@ -427,9 +427,66 @@ def test_a_probe_replaces_what_the_speculative_stretch_left():
     verified(speculating, rose, first_step=20)
     assert speculating.tokens_per_step == pytest.approx((4 * 1.2 + 4 * 2.5) / 8)
     # a fallback step ends the probe: the next probe starts afresh
-    measurements.add(_Measured(25, False, 8, 8, 5.0, None))
+    measurements.add(_Measured(25, False, 8, 8, 5.0, None, in_fallback=True))
     verified(measurements, [(8, 3.0)] * 4, probe=True, first_step=26)
     assert measurements.tokens_per_step == pytest.approx(3.0)
+
+
+def fallback_step(measurements: Measurements, step: int, requests: int = 32) -> None:
+    measurements.add(_Measured(step, False, requests, requests, 5.0, None, in_fallback=True))
+    measurements.resolve(step)
+
+
+def test_a_probe_counts_at_what_the_last_stretch_it_started_settled_to():
+    """Mixed traffic: a probe samples the plain batch (2.1 tokens per step); speculating
+    finishes the good requests first and settles lower (1.6); the next probe reads 1.6."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(32, 2.0)] * 4)  # the start-up stretch: no probe began it
+    fallback_step(measurements, 4)
+    assert measurements.composition == 1.0
+    verified(measurements, [(32, 2.1)] * 2, probe=True, first_step=5)
+    assert measurements.tokens_per_step == pytest.approx(2.1)
+    verified(measurements, [(32, 2.0), (32, 1.8), (32, 1.6), (32, 1.6)], first_step=7)
+    assert measurements.tokens_per_step == pytest.approx(1.6)  # speculating: what it reads
+    fallback_step(measurements, 11)
+    assert measurements.composition == pytest.approx(1.6 / 2.1)
+    verified(measurements, [(32, 2.1)] * 2, probe=True, first_step=12)
+    assert measurements.tokens_per_step == pytest.approx(1.6)
+    # the traffic turns good: the probe's raw 3.0 still counts less until a stretch shows it
+    verified(measurements, [(32, 3.0)] * 2, probe=True, first_step=14)
+    assert measurements.tokens_per_step == pytest.approx(3.0 * 1.6 / 2.1)
+    verified(measurements, [(32, 3.0)] * 4, first_step=16)
+    fallback_step(measurements, 20)
+    assert measurements.composition == pytest.approx(1.0)
+    verified(measurements, [(32, 3.0)] * 2, probe=True, first_step=21)
+    assert measurements.tokens_per_step == pytest.approx(3.0)
+
+
+def test_the_composition_is_learned_on_batches_of_8_or_more_and_kept_in_its_bounds():
+    def settled(entry: float, end: float, requests: int) -> float:
+        measurements = Measurements(AutoConfig(), StepCosts())
+        verified(measurements, [(requests, entry)] * 8, probe=True)
+        verified(measurements, [(requests, end)] * 8, first_step=8)  # 64+ requests: all end
+        fallback_step(measurements, 16, requests)
+        return measurements.composition
+
+    assert settled(2.0, 1.5, 8) == pytest.approx(0.75)
+    assert settled(2.0, 1.5, 7) == 1.0  # one request's own acceptance, not a composition
+    assert settled(2.0, 2.5, 16) == 1.0  # never above 1: a probe is not raised
+    assert settled(3.0, 1.0, 16) == 0.5
+    assert settled(2.0, 0.9, 16) == 0.5
+
+
+def test_plain_steps_while_speculating_neither_end_the_stretch_nor_a_probe():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(32, 2.1)] * 2, probe=True)
+    verified(measurements, [(32, 1.6)] * 2, first_step=2)
+    # a plain probe / explore step while speculating: the stretch goes on
+    measurements.add(_Measured(4, False, 32, 32, 5.0, None, in_fallback=False))
+    verified(measurements, [(32, 1.6)] * 2, first_step=5)
+    assert measurements.composition == 1.0
+    fallback_step(measurements, 7)
+    assert measurements.composition == pytest.approx(1.6 / 2.1)
 
 
 @pytest.mark.parametrize(
@@ -571,7 +628,7 @@ def test_a_sync_reads_only_steps_at_least_lag_steps_old_and_only_the_source_rank
         if controller.policy.steps <= 16:
             controller.finish_step(controller.start_step(), True, 8, constant(2.0))
     assert clock.read == list(range(1, 16))
-    assert [m.probe for m in controller.measurements._pending] == [False]  # step 15 is left
+    assert [m.step for m in controller.measurements._pending] == [15]  # step 15 is left
     other = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=False,
                            clock=TokenClock())
     other.decide(8)
@@ -580,7 +637,7 @@ def test_a_sync_reads_only_steps_at_least_lag_steps_old_and_only_the_source_rank
     assert other.measurements._pending == []
 
 
-def test_only_a_speculative_step_in_fallback_is_a_probe():
+def test_each_step_records_the_mode_it_ran_in_a_speculative_one_in_fallback_is_a_probe():
     controller = AutoController(policy_with(1.0), source=True, clock=TokenClock())
     for _ in range(8):
         controller.decide(64)
@@ -590,9 +647,9 @@ def test_only_a_speculative_step_in_fallback_is_a_probe():
     speculating = AutoController(policy_with(2.0), source=True, clock=TokenClock())
     speculating.decide(8)
     speculating.finish_step(speculating.start_step(), True, 8, constant(2.0))
-    probes = [m.probe for m in (*controller.measurements._pending,
-                                *speculating.measurements._pending)]
-    assert probes == [True, False, False]
+    steps = [(m.speculative, m.in_fallback) for m in (*controller.measurements._pending,
+                                                      *speculating.measurements._pending)]
+    assert steps == [(True, True), (False, True), (True, False)]  # a probe, fallback, spec
 
 
 def test_a_deferred_probe_speculates_at_the_next_step_instead():

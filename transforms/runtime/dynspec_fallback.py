@@ -15,8 +15,10 @@ so speculation resumes without special handling.
 step by expected goodput at its batch size padded to the CUDA-graph size: speculate iff
 ``tokens_per_step / spec_ms`` beats ``1 / plain_ms`` (tokens per request per ms), where
 ``tokens_per_step`` is 1 + the mean accepted drafts per request over the newest verify steps
-that hold at least 64 requests (kept while in fallback, replaced by each probe) and the step
-times come from a cost table ``{padded bs: (spec ms, fallback ms)}``, interpolated between
+that hold at least 64 requests (kept while in fallback, replaced by each probe, whose reading
+counts times what the last speculative stretch a probe began settled to against that probe,
+at most 1: mixed traffic speculates at a lower acceptance than a fallback batch shows) and the
+step times come from a cost table ``{padded bs: (spec ms, fallback ms)}``, interpolated between
 measured sizes. The other mode must win by more than 2 % for
 ``--speculative-disable-min-dwell-steps`` (default 8) consecutive decisions before a switch;
 switching back at about the same batch size (within 2x) needs 4x as many wins each time it
@@ -240,7 +242,11 @@ class AutoConfig:
     rank's decision inputs at the decode steps that are multiples of this; ``lag_steps``: only
     steps at least this old are read then (their GPU work is done, so reading their events
     waits for nothing). ``acceptance_requests``: the acceptance is the mean over the newest
-    verify steps that together hold at least this many requests.
+    verify steps that together hold at least this many requests. ``composition_bounds`` /
+    ``composition_min_batch``: a probe's acceptance counts times the ratio of what the last
+    speculative stretch a probe began ended at to that probe (``Measurements``), kept within
+    these bounds, learned only from stretches that end with at least this many requests (one
+    request's acceptance is its own, not a batch's composition).
     """
 
     confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
@@ -257,6 +263,8 @@ class AutoConfig:
     lag_steps: int = 2
     acceptance_requests: int = 64
     cost_window: int = 16
+    composition_bounds: tuple[float, float] = (0.5, 1.0)
+    composition_min_batch: int = 8
 
 
 @dataclass(frozen=True)
@@ -604,8 +612,9 @@ class _Measured:
     timing: Any
     # Tokens per request of a speculative step, read when resolved (None: a fallback step).
     tokens_per_request: Callable[[], float] | None
-    # A speculative step run while in fallback (a probe): it re-measures acceptance outright.
-    probe: bool = False
+    # Whether the policy was in fallback when the step ran: a speculative step then is a
+    # probe (it re-measures acceptance outright); any step then ends a speculative stretch.
+    in_fallback: bool = False
 
 
 class Measurements:
@@ -617,6 +626,15 @@ class Measurements:
     requests (one step of a large batch, many steps of a small one, so a single step of one
     request does not decide it), kept while in fallback, where each probe replaces it: the
     first step of a probe clears what the speculative stretch left.
+
+    A probe overstates what speculating would give when requests differ in acceptance:
+    speculation finishes the high-acceptance requests sooner, so a speculating batch holds
+    more of the low-acceptance ones than the batch a probe samples in fallback, where every
+    request lasts one step per token (mixed traffic with 0 / 50 / 90 % acceptance: a probe
+    reads the plain mean, 2.1 tokens per step, a speculative stretch settles at the harmonic
+    mean, 1.6). So each speculative stretch entered from a probe records how its acceptance
+    ended against the probe that started it, ``composition`` (1 where they agree), and a
+    probe's acceptance counts times that until the next stretch measures it again.
     """
 
     def __init__(self, config: AutoConfig, clock: Any) -> None:
@@ -626,6 +644,10 @@ class Measurements:
         # (tokens, requests) of the newest verify steps, newest last
         self._verified: collections.deque[tuple[float, int]] = collections.deque()
         self._in_probe = False
+        self._from_probe = False  # the window holds a probe's steps (no stretch since)
+        self._in_stretch = False
+        self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
+        self.composition = 1.0
         self._pending: list[_Measured] = []
         self._times: dict[tuple[bool, int], collections.deque[float]] = {}
         self._seen: collections.Counter[tuple[bool, int]] = collections.Counter()
@@ -648,27 +670,59 @@ class Measurements:
                     key, collections.deque(maxlen=self.config.cost_window)
                 )
                 window.append(ms)
-            if measured.tokens_per_request is None:
-                self._in_probe = False  # a fallback step ends a probe
-            else:
+            if measured.tokens_per_request is not None:
                 self._add_acceptance(
-                    measured.tokens_per_request(), measured.requests, measured.probe
+                    measured.tokens_per_request(), measured.requests, measured.in_fallback
                 )
+            elif measured.in_fallback:
+                self._in_probe = False  # a fallback step ends a probe
+                self._end_stretch()
         self._pending = keep
 
     def _add_acceptance(self, tokens_per_request: float, requests: int, probe: bool) -> None:
         starts_probe = probe and not self._in_probe
         self._in_probe = probe
+        if probe:
+            self._end_stretch()
+        elif not self._in_stretch:
+            self._in_stretch = True
+            self._stretch_entry = self._raw_acceptance() if self._from_probe else None
+            self._from_probe = False
         if tokens_per_request <= 0 or requests <= 0:
+            self._publish()
             return
         if starts_probe:
             self._verified.clear()
+            self._from_probe = True
         self._verified.append((tokens_per_request * requests, requests))
         # drop the oldest steps the newest ones do without
         held = sum(n for _, n in self._verified)
         while held - self._verified[0][1] >= self.config.acceptance_requests:
             held -= self._verified.popleft()[1]
-        self.tokens_per_step = sum(t for t, _ in self._verified) / held
+        self._publish()
+
+    def _raw_acceptance(self) -> float | None:
+        held = sum(n for _, n in self._verified)
+        return sum(t for t, _ in self._verified) / held if held else None
+
+    def _end_stretch(self) -> None:
+        if not self._in_stretch:
+            return
+        self._in_stretch = False
+        ended = self._raw_acceptance()
+        big_enough = bool(self._verified) and (
+            self._verified[-1][1] >= self.config.composition_min_batch
+        )
+        if self._stretch_entry and ended and big_enough:
+            low, high = self.config.composition_bounds
+            self.composition = min(high, max(low, ended / self._stretch_entry))
+        self._publish()
+
+    def _publish(self) -> None:
+        raw = self._raw_acceptance()
+        if raw is None:
+            return
+        self.tokens_per_step = raw * self.composition if self._from_probe else raw
 
     def snapshot(self) -> Snapshot:
         entries: dict[int, tuple[float | None, float | None]] = {}
@@ -774,7 +828,7 @@ class AutoController:
                 requests=batch_size,
                 timing=clock.stop(started),
                 tokens_per_request=tokens_per_request if speculative else None,
-                probe=speculative and self.policy.in_fallback,
+                in_fallback=self.policy.in_fallback,
             )
         )
 

@@ -2,7 +2,8 @@
 
 usage: python3 envelope.py URL OUT.json NAME [--levels 1,4,16,32,64,128]
            [--regions accept0,accept50,accept90,mix] [--duration 10] [--repeats 2]
-           [--plen 64] [--olen 128] [--burst 1,64,1] [--burst-region accept50] [--estimate]
+           [--plen 64] [--olen 128] [--olen-spread 0] [--burst 1,64,1]
+           [--burst-region accept50] [--estimate]
 
 The server runs the crafted successor models (crafted.py): a prompt's tokens pick its region, so
 the draft's acceptance is ~0 %, ~50 % or ~90 % ("mix": each client cycles through the three
@@ -10,6 +11,11 @@ regions request by request, so every batch holds all three). For each region and
 closed loop of c clients runs for >= DURATION s (each client sends its next request as its last
 one returns; the requests in flight then finish), REPEATS times in a row, as client.py does.
 Every output is checked against the model's analytic continuation (``mismatched``).
+``--olen-spread s`` draws each request's length from OLEN * (1 +- s), from the client's own
+seeded draws, so every server gets the same requests: with one length for all, the c requests
+of a level start together and, one token a step, finish together, and a server that does
+anything that desynchronises them (a speculative step) pays for more, smaller prefill batches
+that no real traffic has.
 ``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
 "burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
 models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
@@ -53,6 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--plen", type=int, default=64)
     ap.add_argument("--olen", type=int, default=128)
+    ap.add_argument("--olen-spread", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--burst", default="", help="levels run back to back after the sweep")
     ap.add_argument("--burst-region", default="accept50", choices=REGION_NAMES)
@@ -63,9 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.burst_list = [int(x) for x in a.burst.split(",") if x]
     unknown = [r for r in a.region_list if r not in (*REGION_NAMES, MIX)]
     if (unknown or not a.region_list or not a.level_list
-            or min(a.level_list + a.burst_list) < 1):
+            or min(a.level_list + a.burst_list) < 1 or not 0.0 <= a.olen_spread < 1.0):
         ap.error(f"--regions from {', '.join((*REGION_NAMES, MIX))}; "
-                 "--levels and --burst integers >= 1")
+                 "--levels and --burst integers >= 1; --olen-spread in [0, 1)")
     return a
 
 
@@ -92,10 +99,18 @@ class Sweep:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
 
-    def generate(self, ids: list[int]) -> dict:
+    def length(self, rng: random.Random) -> int:
+        """A request's new tokens: OLEN, or OLEN * (1 +- spread) from the client's draws."""
+        if not self.a.olen_spread:
+            return self.a.olen
+        spread = self.a.olen_spread
+        return max(1, round(self.a.olen * rng.uniform(1.0 - spread, 1.0 + spread)))
+
+    def generate(self, ids: list[int], olen: int | None = None) -> dict:
+        olen = olen or self.a.olen
         body = {
             "input_ids": ids,
-            "sampling_params": {"max_new_tokens": self.a.olen, "temperature": 0,
+            "sampling_params": {"max_new_tokens": olen, "temperature": 0,
                                 "ignore_eos": True},
         }
         req = urllib.request.Request(self.a.url + "/generate", data=json.dumps(body).encode(),
@@ -112,7 +127,7 @@ class Sweep:
         return {
             "latency_s": time.perf_counter() - t,
             "tokens": meta.get("completion_tokens", len(got)),
-            "mismatched": got != crafted.expected_continuation(ids, self.a.olen),
+            "mismatched": got != crafted.expected_continuation(ids, olen),
             "accept_length": meta.get("spec_accept_length"),
         }
 
@@ -124,7 +139,7 @@ class Sweep:
             rng, done = random.Random(seed * 1000 + k), []
             while time.perf_counter() - t0 < duration:
                 ids = prompt(rng, region_of_request(region, k, len(done)), self.a.plen)
-                done.append(self.generate(ids))
+                done.append(self.generate(ids, self.length(rng)))
             return done
 
         with ThreadPoolExecutor(conc) as ex:
@@ -161,7 +176,8 @@ def summarize(res: list[dict], wall: float, conc: int) -> dict:
 
 def main(argv: list[str]) -> None:
     a = parse_args(argv)
-    planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, a.olen,
+    longest = round(a.olen * (1.0 + a.olen_spread))
+    planned = estimate_s(len(a.level_list), len(a.region_list), a.repeats, a.duration, longest,
                          len(a.burst_list))
     if a.estimate:
         print(planned)
@@ -171,7 +187,8 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     info, error = server_info.fetch(a.url)
     out: dict = {
-        "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "duration_s": a.duration,
+        "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen,
+        "olen_spread": a.olen_spread, "duration_s": a.duration,
         "repeats": a.repeats, "regions": a.region_list, "estimated_s": planned,
         "server_info": info, "effective_args": server_info.effective_args(info, EFFECTIVE_KEYS),
         "levels": [], "errors": [error] if error else [],

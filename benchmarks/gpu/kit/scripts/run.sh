@@ -24,7 +24,8 @@
 #       patched overlay with `auto`; needs `bash run.sh setup-env` (writes the crafted weights)
 #       once after setup. ENV_LEVELS (1,4,16,32,64,128), REGIONS (accept0,accept50,accept90,mix;
 #       env-base: BASE_REGIONS, accept90), ENV_DURATION (5), ENV_REPEATS (1), OLEN (128),
-#       ENV_BURST (env-auto: 1,64,1 run back to back after the sweep; empty: none)
+#       ENV_BURST (env-auto: 1,64,1 run back to back after the sweep; empty: none),
+#       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server)
 #
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
@@ -74,6 +75,7 @@ env_args() {   # the envelope client's options for variant $1 (plain decoding: o
   case "$1" in env-base) regions=${BASE_REGIONS:-accept90};; env-auto) burst=${ENV_BURST-1,64,1};; esac
   echo --levels "${ENV_LEVELS:-1,4,16,32,64,128}" --regions "$regions" \
     --duration "${ENV_DURATION:-5}" --repeats "${ENV_REPEATS:-1}" --olen "${OLEN:-128}" \
+    --olen-spread "${OLEN_SPREAD:-0}" \
     ${burst:+--burst "$burst"}
 }
 

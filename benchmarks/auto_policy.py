@@ -1,0 +1,266 @@
+"""The ``auto`` controller against fixed thresholds, plain decoding and EAGLE-3, simulated.
+
+A closed loop of c clients (each sends its next request as its last one returns) runs for
+DURATION simulated seconds per level against a server whose step costs are the ones an H200
+measured on SGLang 0.5.17 with the crafted 8b models (CUDA-event step times from the
+``[dynspec] auto`` switch lines, RESULTS.md, 2026-12-02): a speculative step and a plain step
+per padded decode batch size, a prefill step per batch of new requests, SGLang's
+draft-extend on the step before speculation resumes. Each request's draft acceptance is its
+region's (0 %, 50 %, 90 % per draft token, steps 3; "mix": each client cycles through the
+three). The controllers are the runtime's own classes (``DynSpecController`` for a fixed T,
+``AutoController`` for ``auto``), driven by the simulated steps: what runs here is the decision
+rule, the measurement windows, probes, explore steps and hysteresis of the shipped code, not a
+copy. Step times carry +-3 % noise. No GPU, no time measured: the numbers are simulated
+tokens per simulated second; the GPU envelope (``benchmarks/gpu/kit``, ``env-*``) is the
+measurement.
+
+    python benchmarks/auto_policy.py [--duration 10] [--levels 1,4,16,32,64,128]
+        [--regions accept0,accept50,accept90,mix] [--thresholds 4,8,16,32,64] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+from dynspec_patch.transforms.runtime.dynspec_fallback import (
+    AutoConfig,
+    AutoController,
+    DynSpecController,
+    GoodputPolicy,
+    padded_batch_size,
+)
+
+# SGLang 0.5.17's decode graph sizes up to --cuda-graph-max-bs 128 (the envelope servers').
+GRAPH_SIZES = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 129, 8)]
+# ms per step by padded batch size: (speculative step, plain step), 0.5.17, crafted 8b, H200.
+MEASURED_MS = {
+    1: (6.86, 4.82), 2: (6.92, 4.86), 4: (7.09, 4.88), 6: (7.46, 4.90), 8: (7.85, 4.91),
+    14: (9.21, 5.09), 16: (9.19, 5.12), 32: (11.2, 5.40), 64: (16.6, 5.70), 128: (28.8, 6.50),
+}
+DRAFT_EXTEND_MS = (1.0, 0.008)  # the step before speculation resumes: + a + b * bs
+PREFILL_MS = (3.0, 0.15)  # a prefill step: a + b * new requests (64-token prompts)
+DRAFT_PREFILL_SHARE = 0.25  # what an EAGLE-3 server's draft adds to a prefill step
+REGIONS = {"accept0": 0.0, "accept50": 0.5, "accept90": 0.9}
+MIX = "mix"
+NUM_STEPS = 3  # draft tokens per speculative step (steps 3, topk 1)
+NOISE = 0.03
+
+
+def cost_ms(speculative: bool, padded: int) -> float:
+    """The measured cost of a step at ``padded``, linear between measured sizes."""
+    column = 0 if speculative else 1
+    sizes = sorted(MEASURED_MS)
+    below = max((s for s in sizes if s <= padded), default=sizes[0])
+    above = min((s for s in sizes if s >= padded), default=sizes[-1])
+    low, high = MEASURED_MS[below][column], MEASURED_MS[above][column]
+    if above == below:
+        return low
+    return low + (high - low) * (padded - below) / (above - below)
+
+
+@dataclass
+class Request:
+    client: int
+    acceptance: float
+    left: int
+    rng: random.Random  # its own draws: every server sees the same requests
+
+
+@dataclass
+class Server:
+    """One way of choosing each decode step's mode: plain, EAGLE-3, a fixed T, or auto."""
+
+    name: str
+    speculative_server: bool
+    decide: Callable[[int], bool]  # True: this decode step runs plain
+    controller: AutoController | None = None
+    on_deferred: Callable[[], None] = lambda: None
+    switches: Callable[[], int] = lambda: 0
+
+
+class StepClock:
+    """The controller's clock: each step's time is the simulated cost just run."""
+
+    def __init__(self) -> None:
+        self.next_ms = 0.0
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, started: None) -> float:
+        return self.next_ms
+
+    def elapsed_ms(self, handle: float) -> float:
+        return handle
+
+
+def make_server(kind: str) -> tuple[Server, StepClock]:
+    clock = StepClock()
+    if kind == "plain":
+        return Server(kind, False, lambda bs: True), clock
+    if kind == "eagle":
+        return Server(kind, True, lambda bs: False), clock
+    if kind == "auto":
+        controller = AutoController(
+            GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock
+        )
+        policy = controller.policy
+        return Server(
+            kind, True, controller.decide, controller, policy.defer_speculation,
+            lambda: policy.n_switches,
+        ), clock
+    fixed = DynSpecController(int(kind.removeprefix("T")))
+    return Server(kind, True, fixed.decide, switches=lambda: fixed.n_switches), clock
+
+
+def accepted(rng: random.Random, acceptance: float) -> int:
+    """Draft tokens accepted in one verify: the leading run of right guesses, at most 3."""
+    n = 0
+    while n < NUM_STEPS and rng.random() < acceptance:
+        n += 1
+    return n
+
+
+@dataclass
+class LevelResult:
+    tok_s: float
+    switches: int
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+class Simulation:
+    """One server through the levels in order, as ``envelope.py`` runs them: its controller
+    keeps what it learned from one level to the next."""
+
+    def __init__(self, kind: str, seed: int) -> None:
+        self.server, self.clock = make_server(kind)
+        self.seed = seed
+        self.rng = random.Random(seed)  # step-time noise
+        self.stale = True  # no draft state yet: the first speculative step drafts first
+
+    def level(
+        self, region: str, conc: int, duration: float, olen: int, spread: float = 0.0
+    ) -> LevelResult:
+        server, rng = self.server, self.rng
+        sent = [0] * conc
+        switches_before = server.switches()
+
+        def new_request(client: int) -> Request:
+            name = region
+            if region == MIX:
+                name = list(REGIONS)[(client + sent[client]) % len(REGIONS)]
+            own = random.Random(f"{self.seed} {region} {conc} {client} {sent[client]}")
+            sent[client] += 1
+            length = round(olen * own.uniform(1.0 - spread, 1.0 + spread))
+            return Request(client, REGIONS[name], max(1, length), own)
+
+        waiting = [new_request(k) for k in range(conc)]
+        running: list[Request] = []
+        now_ms, tokens = 0.0, 0
+        spent: collections.Counter[str] = collections.Counter()
+        while waiting or running:
+            if waiting:  # SGLang runs the new requests' prefill before the next decode step
+                ms = PREFILL_MS[0] + PREFILL_MS[1] * len(waiting)
+                if server.speculative_server:
+                    ms *= 1.0 + DRAFT_PREFILL_SHARE
+                now_ms += ms
+                spent["prefill"] += ms
+                running += waiting
+                waiting = []
+                continue
+            bs = len(running)
+            plain = server.decide(bs)
+            padded = padded_batch_size(bs, GRAPH_SIZES)
+            timed = True
+            if not plain and self.stale:  # one more plain step, with SGLang's draft-extend
+                plain, timed = True, False
+                server.on_deferred()
+                ms = cost_ms(False, padded) + DRAFT_EXTEND_MS[0] + DRAFT_EXTEND_MS[1] * padded
+                self.stale = False
+            else:
+                ms = cost_ms(not plain, padded)
+                self.stale = plain and server.speculative_server
+            ms *= rng.uniform(1.0 - NOISE, 1.0 + NOISE)
+            self.clock.next_ms = ms
+            now_ms += ms
+            spent["plain" if plain and timed else "drafting" if plain else "spec"] += ms
+            step_tokens = 0
+            finished = []
+            for request in running:
+                got = 1 if plain else 1 + accepted(request.rng, request.acceptance)
+                got = min(got, request.left)
+                request.left -= got
+                step_tokens += got
+                if request.left == 0:
+                    finished.append(request)
+            tokens += step_tokens
+            if server.controller is not None and timed:
+                started = server.controller.start_step()
+                per_request = step_tokens / bs
+                reader = None if plain else (lambda value=per_request: value)
+                server.controller.finish_step(started, not plain, bs, reader)
+            for request in finished:
+                running.remove(request)
+                if now_ms < duration * 1000.0:
+                    waiting.append(new_request(request.client))
+        return LevelResult(1000.0 * tokens / now_ms, server.switches() - switches_before,
+                           now_ms / 1000.0, dict(spent))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--olen", type=int, default=128)
+    ap.add_argument("--olen-spread", type=float, default=0.0,
+                    help="each request's length uniform in olen * (1 +- spread)")
+    ap.add_argument("--levels", default="1,4,16,32,64,128")
+    ap.add_argument("--regions", default="accept0,accept50,accept90,mix")
+    ap.add_argument("--thresholds", default="4,8,16,32,64")
+    ap.add_argument("--seed", type=int, default=1)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    fixed = [f"T{t}" for t in args.thresholds.split(",")]
+    console = Console()
+    worst_max, worst_fixed = 1.0, 1.0
+    regions = args.regions.split(",")
+    kinds = ("plain", "eagle", *fixed, "auto")
+    sims = {kind: Simulation(kind, args.seed) for kind in kinds}
+    for region in regions:
+        table = Table(title=f"{region}: simulated output tok/s ({args.duration:g} s levels)")
+        for column in ("c", "plain", "EAGLE-3", "best fixed T", "auto", "auto ÷ max",
+                       "auto ÷ best T", "auto switches"):
+            table.add_column(column, justify="right")
+        for c in levels:
+            results = {
+                kind: sims[kind].level(region, c, args.duration, args.olen, args.olen_spread)
+                for kind in kinds
+            }
+            best = max(fixed, key=lambda k: results[k].tok_s)
+            auto = results["auto"]
+            over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
+            over_fixed = auto.tok_s / results[best].tok_s
+            worst_max, worst_fixed = min(worst_max, over_max), min(worst_fixed, over_fixed)
+            table.add_row(
+                str(c), f"{results['plain'].tok_s:.0f}", f"{results['eagle'].tok_s:.0f}",
+                f"{results[best].tok_s:.0f} ({best})", f"{auto.tok_s:.0f}", f"{over_max:.3f}",
+                f"{over_fixed:.3f}", str(auto.switches),
+            )
+        console.print(table)
+    console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst_max:.3f}; "
+                  f"worst auto ÷ best fixed T: {worst_fixed:.3f}")
+
+
+if __name__ == "__main__":
+    main()
