@@ -109,7 +109,9 @@ def make_server(kind: str) -> tuple[Server, StepClock]:
         return Server(kind, True, lambda bs: False), clock
     if kind == "auto":
         controller = AutoController(
-            GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock
+            GoodputPolicy(AutoConfig(max_tokens_per_step=NUM_STEPS + 1.0), GRAPH_SIZES),
+            source=True,
+            clock=clock,
         )
         policy = controller.policy
         return Server(

@@ -214,6 +214,33 @@ def test_probes_in_fallback_are_bounded_and_back_off():
     assert policy.n_probes == len(probes) <= 7 + 20_000 // 1024
 
 
+def test_no_probe_where_plain_steps_win_even_if_every_draft_token_were_accepted():
+    # at bs 128: 3 tokens / 86.8 ms < 1 / 26.2 ms; at bs 32: 3 / 29.2 > 1 / 11.8
+    def probes(bs: int, **config) -> int:
+        policy = policy_with(1.2, **config)
+        decisions = [policy.decide(bs) for _ in range(20_000)]
+        assert policy.in_fallback
+        speculative = sum(not fallback for fallback in decisions)
+        assert speculative >= AutoConfig().confirm_steps - 1 + policy.n_probes
+        return policy.n_probes
+
+    assert probes(128, max_tokens_per_step=3.0) == 0
+    assert probes(128) >= 7 + 16  # no bound given: 16, 32, ... 1024, then every 1024 steps
+    assert probes(32, max_tokens_per_step=3.0) == probes(32) > 0  # it could win there
+
+
+def test_no_explore_step_speculates_above_a_size_where_even_full_acceptance_loses():
+    measured = CostTable({bs: (spec_ms(bs), plain_ms(bs)) for bs in (8, 64)})
+    for most, explores in ((2.5, 0), (4.0, 1)):  # bs 64: 2.5 / 48.4 < 1 / 16.6 < 4 / 48.4
+        policy = GoodputPolicy(AutoConfig(max_tokens_per_step=most), GRAPH_SIZES)
+        policy.adopt(Snapshot(1.2, measured))
+        for _ in range(2 * AutoConfig().confirm_steps):
+            policy.decide(64)
+        assert policy.in_fallback
+        policy.decide(128)  # 128: never measured, so its speculative cost is unknown
+        assert policy.n_explores == explores, most
+
+
 def test_while_speculating_a_plain_probe_every_1024_steps_refreshes_the_plain_cost():
     policy = policy_with(2.5)
     decisions = [policy.decide(8) for _ in range(5000)]
@@ -286,8 +313,8 @@ def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_ste
         assert modes.index(fallback) <= confirm - 1, bs
 
 
-def test_a_probe_runs_until_it_has_verified_32_requests_at_most_8_steps():
-    for bs, steps in ((64, 1), (32, 1), (8, 4), (4, 8), (1, 8)):
+def test_a_probe_runs_until_it_has_verified_64_requests_at_most_8_steps():
+    for bs, steps in ((128, 1), (64, 1), (32, 2), (16, 4), (8, 8), (4, 8), (1, 8)):
         policy = policy_with(1.0)  # plain wins everywhere: into fallback, then probes
         decisions = [policy.decide(bs) for _ in range(2000)]
         spec = [i for i, fallback in enumerate(decisions) if not fallback]
@@ -303,10 +330,10 @@ def test_in_fallback_the_probe_gap_starts_again_when_the_load_moves_2x():
     for _ in range(5000):
         policy.decide(64)  # the gap has grown to 1024
     assert policy.in_fallback
-    decisions = [policy.decide(16) for _ in range(2040)]
+    decisions = [policy.decide(16) for _ in range(2060)]
     starts = [i for i, fallback in enumerate(decisions) if not fallback and decisions[i - 1]]
-    # a probe (2 steps of 16 requests) 16 steps after the move, then gaps of 32, 64, ... again
-    assert starts == [15, 48, 113, 242, 499, 1012, 2037]
+    # a probe (4 steps of 16 requests) 16 steps after the move, then gaps of 32, 64, ... again
+    assert starts == [15, 50, 117, 248, 507, 1022, 2049]
     assert all(not decisions[i + 1] for i in starts[:-1])
 
 
@@ -388,6 +415,9 @@ def test_probes_notice_that_acceptance_rose_while_in_fallback():
     assert controller.policy.n_switches == 2
 
 
+WINDOW_64 = AutoConfig(acceptance_requests=64)  # acceptance over the newest 64 requests
+
+
 def verified(measurements: Measurements, steps, *, probe=False, first_step=0):
     """Feed ``measurements`` resolved speculative steps: ``(requests, tokens per request)``."""
     for i, (requests, tokens) in enumerate(steps):
@@ -397,23 +427,32 @@ def verified(measurements: Measurements, steps, *, probe=False, first_step=0):
 
 
 def test_acceptance_is_the_mean_over_the_newest_steps_that_hold_64_requests():
-    one_request = Measurements(AutoConfig(), StepCosts())
+    one_request = Measurements(WINDOW_64, StepCosts())
     verified(one_request, [(1, 2.0)] * 100)
     verified(one_request, [(1, 4.0)], first_step=100)  # one step of one request: a nudge
     assert one_request.tokens_per_step == pytest.approx((63 * 2.0 + 4.0) / 64)
-    big_batch = Measurements(AutoConfig(), StepCosts())
+    big_batch = Measurements(WINDOW_64, StepCosts())
     verified(big_batch, [(64, 2.0)] * 10)
     verified(big_batch, [(64, 4.0)], first_step=10)  # one step of 64 requests: all of it
     assert big_batch.tokens_per_step == 4.0
-    mixed = Measurements(AutoConfig(), StepCosts())
+    mixed = Measurements(WINDOW_64, StepCosts())
     verified(mixed, [(48, 1.0), (16, 4.0), (32, 2.0)])  # 48 newest requests: all three
     assert mixed.tokens_per_step == pytest.approx((48 * 1.0 + 16 * 4.0 + 32 * 2.0) / 96)
     verified(mixed, [(32, 3.0)], first_step=3)  # 64 newest requests: the oldest two go
     assert mixed.tokens_per_step == pytest.approx((32 * 2.0 + 32 * 3.0) / 64)
 
 
-def test_a_probe_replaces_what_the_speculative_stretch_left():
+def test_by_default_acceptance_is_the_mean_of_the_newest_256_requests():
     measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(1, 2.0)] * 300)
+    verified(measurements, [(1, 4.0)] * 128, first_step=300)
+    assert measurements.tokens_per_step == pytest.approx(3.0)
+    verified(measurements, [(64, 1.0)] * 4, first_step=428)  # four steps of 64: all of it
+    assert measurements.tokens_per_step == pytest.approx(1.0)
+
+
+def test_a_probe_replaces_what_the_speculative_stretch_left():
+    measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(8, 1.2)] * 20)
     # a probe of 4 steps at bs 8 (32 requests) after the acceptance rose: all 4 count
     rose = [(8, 2.0), (8, 3.0), (8, 2.0), (8, 3.0)]
@@ -422,7 +461,7 @@ def test_a_probe_replaces_what_the_speculative_stretch_left():
     verified(measurements, [(8, 0.0)], first_step=24)  # unreadable (0): left out
     assert measurements.tokens_per_step == pytest.approx(2.5)
     # the same 4 steps while speculating only move the mean of the newest 64 requests
-    speculating = Measurements(AutoConfig(), StepCosts())
+    speculating = Measurements(WINDOW_64, StepCosts())
     verified(speculating, [(8, 1.2)] * 20)
     verified(speculating, rose, first_step=20)
     assert speculating.tokens_per_step == pytest.approx((4 * 1.2 + 4 * 2.5) / 8)
@@ -440,7 +479,7 @@ def fallback_step(measurements: Measurements, step: int, requests: int = 32) -> 
 def test_a_probe_counts_at_what_the_last_stretch_it_started_settled_to():
     """Mixed traffic: a probe samples the plain batch (2.1 tokens per step); speculating
     finishes the good requests first and settles lower (1.6); the next probe reads 1.6."""
-    measurements = Measurements(AutoConfig(), StepCosts())
+    measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(32, 2.0)] * 4)  # the start-up stretch: no probe began it
     fallback_step(measurements, 4)
     assert measurements.composition == 1.0
@@ -464,7 +503,7 @@ def test_a_probe_counts_at_what_the_last_stretch_it_started_settled_to():
 
 def test_the_composition_is_learned_on_batches_of_8_or_more_and_kept_in_its_bounds():
     def settled(entry: float, end: float, requests: int) -> float:
-        measurements = Measurements(AutoConfig(), StepCosts())
+        measurements = Measurements(WINDOW_64, StepCosts())
         verified(measurements, [(requests, entry)] * 8, probe=True)
         verified(measurements, [(requests, end)] * 8, first_step=8)  # 64+ requests: all end
         fallback_step(measurements, 16, requests)
@@ -478,7 +517,7 @@ def test_the_composition_is_learned_on_batches_of_8_or_more_and_kept_in_its_boun
 
 
 def test_plain_steps_while_speculating_neither_end_the_stretch_nor_a_probe():
-    measurements = Measurements(AutoConfig(), StepCosts())
+    measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(32, 2.1)] * 2, probe=True)
     verified(measurements, [(32, 1.6)] * 2, first_step=2)
     # a plain probe / explore step while speculating: the stretch goes on
@@ -571,7 +610,7 @@ def test_probe_steps_are_marked_out_of_mode_and_decisions_are_booleans():
 
 
 def test_the_first_time_of_a_size_is_dropped_and_a_cost_is_the_median_of_the_last_16():
-    measurements = Measurements(AutoConfig(), StepCosts())
+    measurements = Measurements(WINDOW_64, StepCosts())
     assert measurements.snapshot() == Snapshot(None, CostTable({}))
 
     def timed(step: int, ms: float, padded: int = 8) -> None:

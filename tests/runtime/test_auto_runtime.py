@@ -119,7 +119,9 @@ def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, 
 
     assert not any(modes[:100])
     into_fallback = modes.index(True)
-    assert 100 < into_fallback <= 100 + 2 * 16 + 8  # the next syncs see the drop, then 8 wins
+    # the drop is seen once half the acceptance window (256 requests: 64 steps of 4) holds it,
+    # at the next sync (every 16 steps, reading steps 2 old), then 8 wins
+    assert 100 < into_fallback <= 100 + 32 + 16 + 2 + 8
     back = modes.index(False, into_fallback)
     assert 400 < back <= 400 + 1024 + 16 + 8  # a probe re-measures the rise
     assert not any(modes[back:])

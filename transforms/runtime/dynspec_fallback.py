@@ -15,7 +15,7 @@ so speculation resumes without special handling.
 step by expected goodput at its batch size padded to the CUDA-graph size: speculate iff
 ``tokens_per_step / spec_ms`` beats ``1 / plain_ms`` (tokens per request per ms), where
 ``tokens_per_step`` is 1 + the mean accepted drafts per request over the newest verify steps
-that hold at least 64 requests (kept while in fallback, replaced by each probe, whose reading
+that hold at least 256 requests (kept while in fallback, replaced by each probe, whose reading
 counts times what the last speculative stretch a probe began settled to against that probe,
 at most 1: mixed traffic speculates at a lower acceptance than a fallback batch shows) and the
 step times come from a cost table ``{padded bs: (spec ms, fallback ms)}``, interpolated between
@@ -26,7 +26,7 @@ happens again (up to 1024x; one time forgiven per 8192 steps without a switch), 
 the crossover does not flap, while a load that moves (2x or more) switches within the dwell
 steps.
 ``--speculative-disable-resume-below`` is refused with ``auto`` (one warning, the feature
-off). In fallback, a speculative probe (enough consecutive steps for 32 requests, at most 8)
+off). In fallback, a speculative probe (enough consecutive steps for 64 requests, at most 8)
 runs after 16 fallback steps, the gap doubling per probe up to 1024 and starting again at 16
 when the batch size moves 2x; speculating, one plain probe step runs every 1024 steps (the
 plain cost stays as fresh as the speculative one). Where the table lacks a mode's cost at a
@@ -34,7 +34,9 @@ size, one step of that mode runs every 8 steps until it is known ("explore"); me
 above the largest one with both costs runs plain steps if they win there, and one below the
 smallest speculates if speculation wins there (a speculative step's cost relative to a plain
 one does not fall as the batch grows), so a sudden load bigger than any seen switches within
-the dwell steps instead of speculating until its costs are measured.
+the dwell steps instead of speculating until its costs are measured. Where plain steps win
+even if every draft token were accepted (``speculative_num_steps + 1`` tokens per step), no
+probe and no explore step speculates.
 
 The cost table is not measured at start-up on any release (replaying the speculative graphs
 outside a real step needs release-specific draft and verify inputs): ``auto`` starts by
@@ -246,7 +248,9 @@ class AutoConfig:
     ``composition_min_batch``: a probe's acceptance counts times the ratio of what the last
     speculative stretch a probe began ended at to that probe (``Measurements``), kept within
     these bounds, learned only from stretches that end with at least this many requests (one
-    request's acceptance is its own, not a batch's composition).
+    request's acceptance is its own, not a batch's composition). ``max_tokens_per_step``: the
+    most a speculative step can give a request (``speculative_num_steps + 1``; None: no
+    bound); where speculation loses even at that, no probe and no explore step speculates.
     """
 
     confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
@@ -256,15 +260,16 @@ class AutoConfig:
     flap_max: int = 5
     probe_gap: int = 16
     probe_gap_max: int = 1024
-    probe_requests: int = 32
+    probe_requests: int = 64
     probe_steps_max: int = 8
     explore_gap: int = 8
     sync_every: int = 16
     lag_steps: int = 2
-    acceptance_requests: int = 64
+    acceptance_requests: int = 256
     cost_window: int = 16
     composition_bounds: tuple[float, float] = (0.5, 1.0)
     composition_min_batch: int = 8
+    max_tokens_per_step: float | None = None
 
 
 @dataclass(frozen=True)
@@ -464,7 +469,8 @@ class GoodputPolicy:
                 self._since_probe = 0
             self._gap_padded = padded
             self._since_probe += 1
-            if self._since_probe >= self._probe_gap:
+            hopeless = self.in_fallback and self._speculation_cannot_win(padded)
+            if self._since_probe >= self._probe_gap and not hopeless:
                 run_fallback = not self.in_fallback
                 self._since_probe = 0
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
@@ -517,12 +523,27 @@ class GoodputPolicy:
         padded = padded_batch_size(batch_size, self.graph_sizes)
         if self.snapshot.table.step_ms(other_is_spec, padded) is not None:
             return False
+        if other_is_spec and self._speculation_cannot_win(padded):
+            return False
         key = (other_is_spec, padded)
         last = self._last_explore.get(key)
         if last is not None and step - last < self.config.explore_gap:
             return False
         self._last_explore[key] = step
         return True
+
+    def _speculation_cannot_win(self, padded: int) -> bool:
+        """Whether plain steps win at ``padded`` even if every draft token were accepted
+        (by its own costs, or by the largest size below it that has both)."""
+        most = self.config.max_tokens_per_step
+        if most is None:
+            return False
+        table = self.snapshot.table
+        spec_ms, plain_ms = table.step_ms(True, padded), table.step_ms(False, padded)
+        if spec_ms and plain_ms:
+            return most / spec_ms < 1.0 / plain_ms
+        deciding = table.deciding_size(padded, most)
+        return deciding is not None and deciding < padded
 
     def _switch(self, est: Estimates) -> None:
         before, after = ("fallback", "spec") if self.in_fallback else ("spec", "fallback")
@@ -1626,9 +1647,12 @@ def _make_controller(
             raise Unsupported("auto needs the TP group's CPU group to share rank 0's costs")
         share = broadcast_from_first_rank(cpu_group)
     source = int(getattr(worker, "tp_rank", 0) or 0) == 0
-    policy = GoodputPolicy(
-        AutoConfig(confirm_steps=int(min_dwell)), graph_sizes, log=_rank0_logger(worker)
+    num_steps = getattr(args, "speculative_num_steps", None)
+    config = AutoConfig(
+        confirm_steps=int(min_dwell),
+        max_tokens_per_step=float(num_steps) + 1.0 if num_steps else None,
     )
+    policy = GoodputPolicy(config, graph_sizes, log=_rank0_logger(worker))
     controller = AutoController(
         policy,
         source=source,
@@ -1636,7 +1660,6 @@ def _make_controller(
         clock=step_clock(getattr(runner, "device", "cpu")),
         metrics=AutoMetrics.create(args) if source else None,
     )
-    config = policy.config
     _rank0_logger(worker)(
         f"[dynspec] auto: each decode step speculates or runs a plain step by expected tok/s "
         f"at its padded batch size (graph sizes {graph_sizes or 'none'}); no start-up cost "
