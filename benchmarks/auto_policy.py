@@ -3,19 +3,25 @@
 A closed loop of c clients (each sends its next request as its last one returns) runs for
 DURATION simulated seconds per level against a server whose step costs are the ones an H200
 measured on SGLang 0.5.17 with the crafted 8b models (CUDA-event step times from the
-``[dynspec] auto`` switch lines, RESULTS.md, 2026-12-02): a speculative step and a plain step
-per padded decode batch size, a prefill step per batch of new requests, SGLang's
-draft-extend on the step before speculation resumes. Each request's draft acceptance is its
-region's (0 %, 50 %, 90 % per draft token, steps 3; "mix": each client cycles through the
-three). The controllers are the runtime's own classes (``DynSpecController`` for a fixed T,
-``AutoController`` for ``auto``), driven by the simulated steps: what runs here is the decision
-rule, the measurement windows, probes, explore steps and hysteresis of the shipped code, not a
-copy. Step times carry +-3 % noise. No GPU, no time measured: the numbers are simulated
-tokens per simulated second; the GPU envelope (``benchmarks/gpu/kit``, ``env-*``) is the
-measurement.
+``[dynspec] auto`` switch lines, RESULTS.md, 2026-12-02): a speculative step and a plain
+step per padded decode batch size, a prefill step per batch of new requests (its cost set so
+that plain decoding's levels match the H200's plain server; the draft's share of an EAGLE-3
+prefill is a guess), SGLang's draft-extend on the step before speculation resumes. Each
+request's draft acceptance is its region's (0 %, 50 %, 90 % per draft token, steps 3;
+"mix": each client cycles through the three). The controllers are the runtime's own classes
+(``DynSpecController`` for a fixed T, ``AutoController`` for ``auto``), driven by the
+simulated steps: what runs here is the decision rule, the measurement windows, probes,
+explore steps and hysteresis of the shipped code, not a copy. Step times carry +-3 % noise.
+No GPU, no time measured: the numbers are simulated tokens per simulated second; the GPU
+envelope (``benchmarks/gpu/kit``, ``env-*``) is the measurement.
 
     python benchmarks/auto_policy.py [--duration 10] [--levels 1,4,16,32,64,128]
         [--regions accept0,accept50,accept90,mix] [--thresholds 4,8,16,32,64] [--seed 1]
+        [--olen 128] [--olen-spread 0.5]
+
+``--olen-spread s``: each request's length uniform in OLEN * (1 +- s), as ``envelope.py
+--olen-spread`` (default 0.5, as the 2026-12-03 GPU envelope ran); 0 gives every request one
+length, so a level's requests start and finish together, which no real traffic does.
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ MEASURED_MS = {
     14: (9.21, 5.09), 16: (9.19, 5.12), 32: (11.2, 5.40), 64: (16.6, 5.70), 128: (28.8, 6.50),
 }
 DRAFT_EXTEND_MS = (1.0, 0.008)  # the step before speculation resumes: + a + b * bs
-PREFILL_MS = (3.0, 0.15)  # a prefill step: a + b * new requests (64-token prompts)
-DRAFT_PREFILL_SHARE = 0.25  # what an EAGLE-3 server's draft adds to a prefill step
+# A prefill step: a + b * new requests (64-token prompts); set so that plain decoding's levels
+# come within 5 % of the H200's plain server on 2026-12-03 (c = 16 ... 128, lengths 128 +- 50 %).
+PREFILL_MS = (6.0, 0.5)
+DRAFT_PREFILL_SHARE = 0.1  # what an EAGLE-3 server's draft adds to a prefill step (a guess)
 REGIONS = {"accept0": 0.0, "accept50": 0.5, "accept90": 0.9}
 MIX = "mix"
 NUM_STEPS = 3  # draft tokens per speculative step (steps 3, topk 1)
@@ -221,7 +229,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--olen", type=int, default=128)
-    ap.add_argument("--olen-spread", type=float, default=0.0,
+    ap.add_argument("--olen-spread", type=float, default=0.5,
                     help="each request's length uniform in olen * (1 +- spread)")
     ap.add_argument("--levels", default="1,4,16,32,64,128")
     ap.add_argument("--regions", default="accept0,accept50,accept90,mix")

@@ -1,0 +1,53 @@
+"""benchmarks/auto_policy.py: the simulated envelope drives the installed runtime's own
+controllers; its server model must give the orderings any real server gives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import auto_policy  # noqa: E402
+
+
+def level(kind: str, region: str, conc: int) -> auto_policy.LevelResult:
+    return auto_policy.Simulation(kind, seed=1).level(region, conc, 1.0, 64, 0.5)
+
+
+def test_speculation_pays_only_where_the_draft_is_accepted_and_the_batch_is_small():
+    assert level("eagle", "accept90", 1).tok_s > 2 * level("plain", "accept90", 1).tok_s
+    assert level("eagle", "accept0", 1).tok_s < level("plain", "accept0", 1).tok_s
+    assert level("eagle", "accept50", 128).tok_s < level("plain", "accept50", 128).tok_s
+    # a fixed T runs plain steps above T: at c = 128 about what plain decoding gives
+    fixed, plain = level("T16", "accept90", 128), level("plain", "accept90", 128)
+    assert 0.9 < fixed.tok_s / plain.tok_s <= 1.0
+    assert fixed.switches >= 1
+
+
+def test_auto_leaves_speculation_under_load_and_keeps_it_where_it_wins():
+    def steps(region: str, conc: int) -> tuple[int, int]:
+        """(speculative, plain) decode steps of auto's second level, at c, after c = 1."""
+        sim = auto_policy.Simulation("auto", seed=1)
+        sim.level(region, 1, 1.0, 64, 0.5)
+        policy = sim.server.controller.policy
+        before = policy.n_spec_steps, policy.n_fallback_steps
+        sim.level(region, conc, 2.0, 64, 0.5)
+        return policy.n_spec_steps - before[0], policy.n_fallback_steps - before[1]
+
+    spec, plain = steps("accept50", 128)
+    assert plain > 5 * spec  # under load: plain steps, but for the ramp, probes and the tail
+    spec, plain = steps("accept90", 4)
+    assert spec > 5 * plain  # 90 % acceptance at c = 4: speculation
+
+
+def test_the_benchmark_prints_its_tables_and_worst_ratios():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "auto_policy.py"), "--levels", "1,32", "--regions",
+         "accept50", "--duration", "0.5", "--thresholds", "16"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    assert "accept50: simulated output tok/s" in done.stdout
+    assert "worst auto ÷ best fixed T" in done.stdout.splitlines()[-1]
