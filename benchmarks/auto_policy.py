@@ -17,7 +17,7 @@ envelope (``benchmarks/gpu/kit``, ``env-*``) is the measurement.
 
     python benchmarks/auto_policy.py [--duration 10] [--levels 1,4,16,32,64,128]
         [--regions accept0,accept50,accept90,mix] [--thresholds 4,8,16,32,64] [--seed 1]
-        [--olen 128] [--olen-spread 0.5]
+        [--olen 128] [--olen-spread 0.5] [--burst 1,64,1]
 
 ``--olen-spread s``: each request's length uniform in OLEN * (1 +- s), as ``envelope.py
 --olen-spread`` (default 0.5, as the 2026-12-03 GPU envelope ran); 0 gives every request one
@@ -235,6 +235,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--regions", default="accept0,accept50,accept90,mix")
     ap.add_argument("--thresholds", default="4,8,16,32,64")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--burst", default="1,64,1",
+                    help="accept50 levels run after the sweep (envelope.py's burst); empty: none")
     return ap.parse_args()
 
 
@@ -267,6 +269,23 @@ def main() -> None:
                 f"{results[best].tok_s:.0f} ({best})", f"{auto.tok_s:.0f}", f"{over_max:.3f}",
                 f"{over_fixed:.3f}", str(auto.switches),
             )
+        console.print(table)
+    burst = [int(x) for x in args.burst.split(",") if x]
+    if burst:  # after the sweep, as envelope.py runs it: a load change after the last region
+        table = Table(title="burst after the sweep, accept50: simulated output tok/s")
+        for column in ("c", "plain", "EAGLE-3", "auto", "auto ÷ max", "auto switches"):
+            table.add_column(column, justify="right")
+        for c in burst:
+            results = {
+                kind: sims[kind].level("accept50", c, args.duration, args.olen, args.olen_spread)
+                for kind in ("plain", "eagle", "auto")
+            }
+            auto = results["auto"]
+            over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
+            worst_max = min(worst_max, over_max)
+            table.add_row(str(c), f"{results['plain'].tok_s:.0f}",
+                          f"{results['eagle'].tok_s:.0f}", f"{auto.tok_s:.0f}",
+                          f"{over_max:.3f}", str(auto.switches))
         console.print(table)
     console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst_max:.3f}; "
                   f"worst auto ÷ best fixed T: {worst_fixed:.3f}")

@@ -516,6 +516,21 @@ def test_the_composition_is_learned_on_batches_of_8_or_more_and_kept_in_its_boun
     assert settled(2.0, 0.9, 16) == 0.5
 
 
+def test_the_composition_counts_only_at_about_the_load_it_was_learned_at():
+    measurements = Measurements(WINDOW_64, StepCosts())
+    verified(measurements, [(32, 2.1)] * 2, probe=True)
+    verified(measurements, [(32, 1.6)] * 4, first_step=2)
+    fallback_step(measurements, 6)
+    assert measurements.composition == pytest.approx(1.6 / 2.1)
+    for step, (requests, counted) in enumerate(
+        ((1, 1.0), (48, 1.6 / 2.1), (16, 1.0), (128, 1.0), (20, 1.6 / 2.1)), start=7
+    ):
+        first = 7 + 10 * (step - 7)
+        verified(measurements, [(requests, 2.1)] * 8, probe=True, first_step=first)
+        assert measurements.tokens_per_step == pytest.approx(2.1 * counted), requests
+        fallback_step(measurements, first + 8, requests)
+
+
 def test_plain_steps_while_speculating_neither_end_the_stretch_nor_a_probe():
     measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(32, 2.1)] * 2, probe=True)

@@ -655,7 +655,9 @@ class Measurements:
     reads the plain mean, 2.1 tokens per step, a speculative stretch settles at the harmonic
     mean, 1.6). So each speculative stretch entered from a probe records how its acceptance
     ended against the probe that started it, ``composition`` (1 where they agree), and a
-    probe's acceptance counts times that until the next stretch measures it again.
+    probe's acceptance counts times that until the next stretch measures it again, at about
+    the load it was learned at (within 2x): at another load the batch is another mix (a
+    mixed load of 128 that turns into one request must speculate again at once).
     """
 
     def __init__(self, config: AutoConfig, clock: Any) -> None:
@@ -669,6 +671,8 @@ class Measurements:
         self._in_stretch = False
         self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
         self.composition = 1.0
+        self._composition_load = 0  # the padded batch size the composition was learned at
+        self._padded = 0  # the padded batch size of the newest verify step
         self._pending: list[_Measured] = []
         self._times: dict[tuple[bool, int], collections.deque[float]] = {}
         self._seen: collections.Counter[tuple[bool, int]] = collections.Counter()
@@ -692,6 +696,7 @@ class Measurements:
                 )
                 window.append(ms)
             if measured.tokens_per_request is not None:
+                self._padded = measured.padded
                 self._add_acceptance(
                     measured.tokens_per_request(), measured.requests, measured.in_fallback
                 )
@@ -737,13 +742,15 @@ class Measurements:
         if self._stretch_entry and ended and big_enough:
             low, high = self.config.composition_bounds
             self.composition = min(high, max(low, ended / self._stretch_entry))
+            self._composition_load = self._padded
         self._publish()
 
     def _publish(self) -> None:
         raw = self._raw_acceptance()
         if raw is None:
             return
-        self.tokens_per_step = raw * self.composition if self._from_probe else raw
+        applies = self._from_probe and _same_load(self._padded, self._composition_load)
+        self.tokens_per_step = raw * self.composition if applies else raw
 
     def snapshot(self) -> Snapshot:
         entries: dict[int, tuple[float | None, float | None]] = {}
