@@ -516,6 +516,17 @@ def test_the_composition_is_learned_on_batches_of_8_or_more_and_kept_in_its_boun
     assert settled(2.0, 0.9, 16) == 0.5
 
 
+def test_a_stretch_not_begun_by_a_probe_teaches_no_composition():
+    """A switch back that the cost table decided (the load fell), not a probe: what the
+    window held then is an older stretch's acceptance, not a fallback batch's."""
+    measurements = Measurements(WINDOW_64, StepCosts())
+    verified(measurements, [(32, 2.0)] * 4)
+    fallback_step(measurements, 4)
+    verified(measurements, [(32, 2.0), (32, 1.0), (32, 1.0), (32, 1.0)], first_step=5)
+    fallback_step(measurements, 9)
+    assert measurements.composition == 1.0
+
+
 def test_the_composition_counts_only_at_about_the_load_it_was_learned_at():
     measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(32, 2.1)] * 2, probe=True)

@@ -87,9 +87,12 @@ def tokens_of(result):
 
 @pytest.mark.parametrize(("variant", "version"), CASES)
 def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, version):
-    w = world(variant, version, speculative_disable_batch_threshold="auto")
+    w = world(variant, version, speculative_disable_batch_threshold="auto",
+              speculative_num_steps=3)
     adapter = dyn._adapter_for(w.worker, variant)
     assert isinstance(adapter.controller, dyn.AutoController)
+    # the most a speculative step gives a request: speculative_num_steps (3) + 1
+    assert adapter.controller.policy.config.max_tokens_per_step == 4.0
     spec = SpecPath(w, variant, adapter)
     entry = adapter.names.get("entry") or "forward_batch_generation"
     setattr(type(w.worker), entry, lambda self, batch, **kwargs: spec(self, batch, **kwargs))
