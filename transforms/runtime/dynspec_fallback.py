@@ -469,8 +469,8 @@ class GoodputPolicy:
                 self._since_probe = 0
             self._gap_padded = padded
             self._since_probe += 1
-            hopeless = self.in_fallback and self._speculation_cannot_win(padded)
-            if self._since_probe >= self._probe_gap and not hopeless:
+            due = self._since_probe >= self._probe_gap
+            if due and not (self.in_fallback and self._speculation_cannot_win(padded)):
                 run_fallback = not self.in_fallback
                 self._since_probe = 0
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
@@ -664,8 +664,9 @@ class Measurements:
         self.config = config
         self.clock = clock
         self.tokens_per_step: float | None = None
-        # (tokens, requests) of the newest verify steps, newest last
+        # (tokens, requests) of the newest verify steps, newest last, and their mean
         self._verified: collections.deque[tuple[float, int]] = collections.deque()
+        self._raw: float | None = None  # tokens per request over the window, uncorrected
         self._in_probe = False
         self._from_probe = False  # the window holds a probe's steps (no stretch since)
         self._in_stretch = False
@@ -696,61 +697,59 @@ class Measurements:
                 )
                 window.append(ms)
             if measured.tokens_per_request is not None:
-                self._padded = measured.padded
                 self._add_acceptance(
-                    measured.tokens_per_request(), measured.requests, measured.in_fallback
+                    measured.tokens_per_request(),
+                    measured.requests,
+                    measured.padded,
+                    measured.in_fallback,
                 )
             elif measured.in_fallback:
                 self._in_probe = False  # a fallback step ends a probe
                 self._end_stretch()
         self._pending = keep
 
-    def _add_acceptance(self, tokens_per_request: float, requests: int, probe: bool) -> None:
+    def _add_acceptance(
+        self, tokens_per_request: float, requests: int, padded: int, probe: bool
+    ) -> None:
         starts_probe = probe and not self._in_probe
         self._in_probe = probe
         if probe:
-            self._end_stretch()
+            self._end_stretch()  # at the stretch's own load, before this step's
         elif not self._in_stretch:
             self._in_stretch = True
-            self._stretch_entry = self._raw_acceptance() if self._from_probe else None
+            self._stretch_entry = self._raw if self._from_probe else None
             self._from_probe = False
-        if tokens_per_request <= 0 or requests <= 0:
-            self._publish()
-            return
-        if starts_probe:
-            self._verified.clear()
-            self._from_probe = True
-        self._verified.append((tokens_per_request * requests, requests))
-        # drop the oldest steps the newest ones do without
-        held = sum(n for _, n in self._verified)
-        while held - self._verified[0][1] >= self.config.acceptance_requests:
-            held -= self._verified.popleft()[1]
+        self._padded = padded
+        if tokens_per_request > 0 and requests > 0:
+            if starts_probe:
+                self._verified.clear()
+                self._from_probe = True
+            self._verified.append((tokens_per_request * requests, requests))
+            # drop the oldest steps the newest ones do without
+            held = sum(n for _, n in self._verified)
+            while held - self._verified[0][1] >= self.config.acceptance_requests:
+                held -= self._verified.popleft()[1]
+            self._raw = sum(t for t, _ in self._verified) / held
         self._publish()
-
-    def _raw_acceptance(self) -> float | None:
-        held = sum(n for _, n in self._verified)
-        return sum(t for t, _ in self._verified) / held if held else None
 
     def _end_stretch(self) -> None:
         if not self._in_stretch:
             return
         self._in_stretch = False
-        ended = self._raw_acceptance()
         big_enough = bool(self._verified) and (
             self._verified[-1][1] >= self.config.composition_min_batch
         )
-        if self._stretch_entry and ended and big_enough:
+        if self._stretch_entry and self._raw and big_enough:
             low, high = self.config.composition_bounds
-            self.composition = min(high, max(low, ended / self._stretch_entry))
+            self.composition = min(high, max(low, self._raw / self._stretch_entry))
             self._composition_load = self._padded
         self._publish()
 
     def _publish(self) -> None:
-        raw = self._raw_acceptance()
-        if raw is None:
+        if self._raw is None:
             return
         applies = self._from_probe and _same_load(self._padded, self._composition_load)
-        self.tokens_per_step = raw * self.composition if applies else raw
+        self.tokens_per_step = self._raw * self.composition if applies else self._raw
 
     def snapshot(self) -> Snapshot:
         entries: dict[int, tuple[float | None, float | None]] = {}
