@@ -38,6 +38,7 @@ from rich.table import Table
 from dynspec_patch.transforms.runtime.dynspec_fallback import (
     AutoConfig,
     AutoController,
+    CostTable,
     DynSpecController,
     GoodputPolicy,
     padded_batch_size,
@@ -46,10 +47,10 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
 # SGLang 0.5.17's decode graph sizes up to --cuda-graph-max-bs 128 (the envelope servers').
 GRAPH_SIZES = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 129, 8)]
 # ms per step by padded batch size: (speculative step, plain step), 0.5.17, crafted 8b, H200.
-MEASURED_MS = {
+MEASURED = CostTable({
     1: (6.86, 4.82), 2: (6.92, 4.86), 4: (7.09, 4.88), 6: (7.46, 4.90), 8: (7.85, 4.91),
     14: (9.21, 5.09), 16: (9.19, 5.12), 32: (11.2, 5.40), 64: (16.6, 5.70), 128: (28.8, 6.50),
-}
+})
 DRAFT_EXTEND_MS = (1.0, 0.008)  # the step before speculation resumes: + a + b * bs
 # A prefill step: a + b * new requests (64-token prompts); set so that plain decoding's levels
 # come within 5 % of the H200's plain server on 2026-12-03 (c = 16 ... 128, lengths 128 +- 50 %).
@@ -62,15 +63,12 @@ NOISE = 0.03
 
 
 def cost_ms(speculative: bool, padded: int) -> float:
-    """The measured cost of a step at ``padded``, linear between measured sizes."""
-    column = 0 if speculative else 1
-    sizes = sorted(MEASURED_MS)
-    below = max((s for s in sizes if s <= padded), default=sizes[0])
-    above = min((s for s in sizes if s >= padded), default=sizes[-1])
-    low, high = MEASURED_MS[below][column], MEASURED_MS[above][column]
-    if above == below:
-        return low
-    return low + (high - low) * (padded - below) / (above - below)
+    """The measured cost of a step at ``padded``: the runtime's own interpolation between
+    measured sizes; outside them, the nearest one's."""
+    sizes = sorted(MEASURED.entries)
+    ms = MEASURED.step_ms(speculative, min(max(padded, sizes[0]), sizes[-1]))
+    assert ms is not None  # every measured size has both costs
+    return ms
 
 
 @dataclass
