@@ -21,6 +21,7 @@ sys.path.insert(0, str(GPU / "kit" / "scripts"))
 sys.path.insert(0, str(GPU))
 
 import crafted  # noqa: E402
+import envelope  # noqa: E402
 import envelope_report  # noqa: E402
 from stub_http import JsonHandler, serving  # noqa: E402
 
@@ -29,9 +30,13 @@ ACCEPT = {"accept0": 1.0, "accept50": 2.0, "accept90": 3.5}  # the stand-in's ac
 
 class CraftedStub(JsonHandler):
     """Continues prompts as the crafted target does (optionally dropping a token), reports the
-    region's accept length, and records the regions in flight at each request's start."""
+    region's accept length, and records the regions in flight at each request's start; empties
+    its "cache" on /flush_cache (refusing while a request runs, and the first ``refusals``
+    times, as SGLang answers while requests are still running)."""
 
     drop_at: int | None = None
+    refusals = 0
+    flushes: ClassVar[list[float]] = []  # when each flush succeeded (time.time())
     lock = threading.Lock()
     lengths: ClassVar[list[int]] = []  # max_new_tokens of each request, in arrival order
     in_flight: ClassVar[list[int]] = []
@@ -42,7 +47,22 @@ class CraftedStub(JsonHandler):
                      "speculative_disable_batch_threshold": "auto"})
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/flush_cache":
+            with self.lock:
+                refuse = bool(self.in_flight) or CraftedStub.refusals > 0
+                CraftedStub.refusals = max(0, CraftedStub.refusals - 1)
+                if not refuse:
+                    self.flushes.append(time.time())
+            if refuse:
+                self.send_response(400)
+                self.send_header("Content-Length", "20")
+                self.end_headers()
+                self.wfile.write(b"requests are running")
+            else:
+                self._reply({})
+            return
+        body = json.loads(body)
         ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         region = crafted.REGIONS[crafted.region_of(ids[0])][0]
         with self.lock:
@@ -65,6 +85,8 @@ def crafted_url() -> Iterator[str]:
     with serving(CraftedStub) as url:
         yield url
     CraftedStub.drop_at = None
+    CraftedStub.refusals = 0
+    CraftedStub.flushes.clear()
     CraftedStub.seen.clear()
     CraftedStub.lengths.clear()
 
@@ -110,9 +132,40 @@ def test_burst_levels_run_back_to_back_after_the_sweep_with_their_clock_times(cr
     for before, after in itertools.pairwise(levels):
         assert before["started_unix"] < before["ended_unix"] <= after["started_unix"]
         assert after["started_unix"] - before["ended_unix"] < 0.5  # back to back
+    # the cache is emptied before each sweep level and before the burst, not inside the burst
+    assert [d["cache_flushed"] for d in levels] == [True, True, False, False]
+    flushes = CraftedStub.flushes
+    assert len(flushes) == 2
+    assert flushes[0] <= levels[0]["started_unix"] + 0.01
+    assert levels[0]["ended_unix"] <= flushes[1] <= levels[1]["started_unix"] + 0.01
     # the burst measures switching: the envelope table leaves it out
     sweep_only = envelope_report.tok_s({"levels": levels})
     assert sweep_only == {"accept0": {2: levels[0]["output_tok_per_s"]}}
+
+
+def test_a_refused_flush_is_retried_and_one_that_never_succeeds_is_reported(crafted_url,
+                                                                            tmp_path):
+    CraftedStub.refusals = 3
+    out = tmp_path / "env.json"
+    run_envelope(crafted_url, out, "--levels", "1,2", "--regions", "accept0", "--duration",
+                 "0.1", "--repeats", "1")
+    result = json.loads(out.read_text())
+    assert result["flush_cache"] is True and result["errors"] == []
+    assert [d["cache_flushed"] for d in result["levels"]] == [True, True]
+    assert len(CraftedStub.flushes) == 2
+
+    CraftedStub.refusals = 10
+    assert envelope.flush_cache(crafted_url, tries=2) == "HTTP 400: requests are running"
+    assert envelope.flush_cache("http://127.0.0.1:9", tries=2).startswith("URLError(")
+
+
+def test_keep_cache_sends_no_flush(crafted_url, tmp_path):
+    out = tmp_path / "env.json"
+    run_envelope(crafted_url, out, "--levels", "1", "--regions", "accept0", "--duration", "0.1",
+                 "--repeats", "1", "--keep-cache")
+    result = json.loads(out.read_text())
+    assert result["flush_cache"] is False and CraftedStub.flushes == []
+    assert [d["cache_flushed"] for d in result["levels"]] == [False]
 
 
 def test_a_stream_that_skips_a_token_counts_as_mismatched(crafted_url, tmp_path):

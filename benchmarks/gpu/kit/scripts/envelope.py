@@ -3,7 +3,7 @@
 usage: python3 envelope.py URL OUT.json NAME [--levels 1,4,16,32,64,128]
            [--regions accept0,accept50,accept90,mix] [--duration 10] [--repeats 2]
            [--plen 64] [--olen 128] [--olen-spread 0] [--burst 1,64,1]
-           [--burst-region accept50] [--estimate]
+           [--burst-region accept50] [--keep-cache] [--estimate]
 
 The server runs the crafted successor models (crafted.py): a prompt's tokens pick its region, so
 the draft's acceptance is ~0 %, ~50 % or ~90 % ("mix": each client cycles through the three
@@ -16,6 +16,13 @@ seeded draws, so every server gets the same requests: with one length for all, t
 of a level start together and, one token a step, finish together, and a server that does
 anything that desynchronises them (a speculative step) pays for more, smaller prefill batches
 that no real traffic has.
+Before each sweep level, and once before the burst, the client empties the server's radix cache
+(``POST /flush_cache``; ``--keep-cache``: not), so every server meets every level in the same
+state. Without it the comparison depended on run order: on 2026-12-03 the crafted 8b servers'
+KV pools (745k tokens) filled with cached prompts after ~750k tokens of traffic, and from then on
+each allocation ran SGLang's eviction, which walks every cached leaf (``RadixCache.evict``); the
+patched servers, which ran two regions, met that in their second region, plain decoding (one
+region) never did.
 ``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
 "burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
 models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
@@ -46,6 +53,9 @@ WARMUP_S = 15.0  # server info, warm-up requests
 # Seconds after DURATION until a level's last requests finish: OLEN tokens at ~20 ms a token (the
 # slowest case measured, unpatched EAGLE-3 at c = 128, is ~50 tokens/s per request).
 TAIL_S_PER_TOKEN = 0.02
+# /flush_cache answers 400 while requests are still running or queued: retry this often, 0.2 s
+# apart (a level's last responses are in, but the scheduler may not have retired them yet).
+FLUSH_TRIES = 50
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -63,6 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--burst", default="", help="levels run back to back after the sweep")
     ap.add_argument("--burst-region", default="accept50", choices=REGION_NAMES)
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="do not empty the radix cache before each level")
     ap.add_argument("--estimate", action="store_true")
     a = ap.parse_args(argv)
     a.level_list = [int(x) for x in a.levels.split(",") if x]
@@ -93,6 +105,22 @@ def region_of_request(region: str, client: int, sent: int) -> int:
     if region == MIX:
         return (client + sent) % len(REGION_NAMES)
     return REGION_NAMES.index(region)
+
+
+def flush_cache(url: str, tries: int = FLUSH_TRIES) -> str:
+    """Empty the server's radix cache: "" once it did, else why not."""
+    why = ""
+    for _ in range(tries):
+        req = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30):
+                return ""
+        except urllib.error.HTTPError as exc:  # 400: requests still running
+            why = f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace').strip()}"
+        except OSError as exc:  # URLError, a reset
+            return repr(exc)
+        time.sleep(0.2)
+    return why
 
 
 class Sweep:
@@ -190,6 +218,7 @@ def main(argv: list[str]) -> None:
         "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen,
         "olen_spread": a.olen_spread, "duration_s": a.duration,
         "repeats": a.repeats, "regions": a.region_list, "estimated_s": planned,
+        "flush_cache": not a.keep_cache,
         "server_info": info, "effective_args": server_info.effective_args(info, EFFECTIVE_KEYS),
         "levels": [], "errors": [error] if error else [],
     }
@@ -203,8 +232,15 @@ def main(argv: list[str]) -> None:
             for rep in range(a.repeats)]
     runs += [("burst", a.burst_region, conc, 0) for conc in a.burst_list]
     for n, (phase, region, conc, rep) in enumerate(runs):
+        first_of_burst = phase == "burst" and runs[n - 1][0] != "burst"
+        flushed = False
+        if not a.keep_cache and (phase == "sweep" or first_of_burst):
+            why = flush_cache(a.url)
+            flushed = not why
+            if why:
+                out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
         d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
-        d |= {"repeat": rep, "duration_s": a.duration, "phase": phase}
+        d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed}
         if d["failed"]:
             out["errors"].append(f"{phase} {region} c={conc}: {d['first_error']}")
         out["levels"].append(d)

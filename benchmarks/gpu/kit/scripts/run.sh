@@ -26,6 +26,8 @@
 #       env-base: BASE_REGIONS, accept90), ENV_DURATION (5), ENV_REPEATS (1), OLEN (128),
 #       ENV_BURST (env-auto: 1,64,1 run back to back after the sweep; empty: none),
 #       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server)
+#       (envelope.py empties the radix cache before each level: every server meets every level
+#       in the same state)
 #
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
