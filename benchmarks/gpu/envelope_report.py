@@ -13,8 +13,8 @@ usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log AU
 Per region and concurrency c the table shows each server's output tok/s (the mean of its
 repeats), the best fixed T at that c (which T in brackets), auto ÷ max(plain, EAGLE-3) and
 auto ÷ best fixed T, then each region's worst ratio against the issue's goals (>= 0.95, >= 0.97).
-Plain decoding does not depend on the region: where env-base ran fewer regions than auto, its
-one region stands for all. Standard library only (the SVG is written by hand).
+Plain decoding does not depend on the region: where env-base did not run a region, the mean of
+the regions it ran stands for it. Standard library only (the SVG is written by hand).
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ class Row:
 
 
 def plain_region(plain: dict[str, dict[int, float]], region: str) -> dict[int, float]:
-    """Plain decoding at ``region``, or its one measured region standing for every region."""
+    """Plain decoding at ``region``; where it did not run that region, the mean of the regions
+    it ran stands for it (plain decoding does not read the draft), at each concurrency."""
     if region in plain:
         return plain[region]
-    return next(iter(plain.values())) if len(plain) == 1 else {}
+    levels = sorted({c for by_c in plain.values() for c in by_c})
+    return {c: statistics.mean(by_c[c] for by_c in plain.values() if c in by_c) for c in levels}
 
 
 def envelope(results: dict) -> dict[str, list[Row]]:

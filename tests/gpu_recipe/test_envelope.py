@@ -255,6 +255,22 @@ def test_the_envelope_table_takes_means_the_best_fixed_t_and_both_ratios():
     assert "| accept90 | 0.967 (c = 1) | met | – | not measured |" in goals
 
 
+def test_plain_decoding_of_several_regions_stands_for_an_unmeasured_one_by_their_mean():
+    results = {
+        "env-base": {"levels": [level("accept50", 64, 7000), level("mix", 64, 6000),
+                                level("mix", 128, 11000)]},
+        "env-auto": {"regions": ["accept50", "accept90"],
+                     "levels": [level("accept50", 64, 6800), level("accept90", 64, 9100),
+                                level("accept90", 128, 11000)]},
+    }
+    table = envelope_report.envelope(results)
+    (own,) = table["accept50"]
+    assert own.plain == 7000  # a region plain decoding ran keeps its own figure
+    c64, c128 = table["accept90"]
+    assert c64.plain == 6500 and c64.vs_max == pytest.approx(9100 / 6500)
+    assert c128.plain == 11000  # the one region that has the level
+
+
 def test_the_plot_has_a_panel_per_region_and_a_line_per_server(tmp_path):
     results = tmp_path / "results.json"
     results.write_text(json.dumps(RESULTS))
