@@ -3,12 +3,14 @@
 usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log AUTO_SERVER_LOG]
   RESULTS_JSON  name -> envelope.py result, as the kit's session writes $OUT/results.json:
                 env-base (plain decoding), env-eagle (unpatched EAGLE-3), env-fixed-T<N> (one
-                per hand-picked T), env-auto (--speculative-disable-batch-threshold auto)
+                per hand-picked T), env-auto (--speculative-disable-batch-threshold auto);
+                further servers of one kind (NAME@N) count as more repeats of it, and a
+                table shows them side by side
   OUT_SVG       the plot (default: envelope.svg beside RESULTS_JSON): output tok/s against
                 concurrency, one panel per acceptance region, the servers as lines
-  --log         the auto server's log: its ``[dynspec] auto:`` switch lines, laid against the
-                levels' wall-clock spans, give each level's switches and how long after the
-                level's start the first one came (the burst goal: within 2 s each way)
+  --log         the (first) auto server's log: its ``[dynspec] auto:`` switch lines, laid
+                against the levels' wall-clock spans, give each level's switches and how long
+                after the level's start the first one came (the burst goal: within 2 s each way)
 
 Per region and concurrency c the table shows each server's output tok/s (the mean of its
 repeats), the best fixed T at that c (which T in brackets), auto ÷ max(plain, EAGLE-3) and
@@ -46,6 +48,44 @@ def tok_s(result: dict) -> dict[str, dict[int, float]]:
         region = values.setdefault(level.get("region", "?"), {})
         region.setdefault(int(level["concurrency"]), []).append(float(level["output_tok_per_s"]))
     return {r: {c: statistics.mean(v) for c, v in by_c.items()} for r, by_c in values.items()}
+
+
+def pooled(results: dict) -> dict:
+    """One entry per server kind: the levels of its further servers (``NAME@N``, as the kit's
+    ``run.sh`` names them) join the first server's as more repeats, so means run over servers."""
+    out: dict = {}
+    for name, result in results.items():
+        kind = name.partition("@")[0]
+        if kind in out:
+            out[kind]["levels"] += result.get("levels", [])
+        else:
+            out[kind] = {**result, "levels": list(result.get("levels", []))}
+    return out
+
+
+def server_spread(results: dict) -> str:
+    """For each server kind run on several servers: each server's tok/s per region and
+    concurrency, and the largest over the smallest (empty when no kind ran twice)."""
+    kinds: dict[str, list[str]] = {}
+    for name in results:
+        kinds.setdefault(name.partition("@")[0], []).append(name)
+    rows = []
+    for kind, names in kinds.items():
+        if len(names) < 2:
+            continue
+        per_server = [tok_s(results[name]) for name in names]
+        cells = sorted({(r, c) for one in per_server for r, by_c in one.items() for c in by_c})
+        for region, c in cells:
+            values = [one.get(region, {}).get(c) for one in per_server]
+            known = [v for v in values if v is not None]
+            if len(known) > 1:
+                rows.append(f"| {kind} | {region} | {c} | "
+                            + " / ".join(_cell(v) for v in values)
+                            + f" | {max(known) / min(known):.3f} |")
+    if not rows:
+        return ""
+    return "\n".join(["| server | region | c | tok/s, server by server | largest ÷ smallest |",
+                      "|---|---|---|---|---|", *rows])
 
 
 def fixed_thresholds(results: dict) -> list[tuple[int, str]]:
@@ -286,7 +326,8 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit(__doc__)
     path = Path(argv[0])
-    results = json.loads(path.read_text())
+    per_server = json.loads(path.read_text())
+    results = pooled(per_server)
     out_svg = Path(argv[1]) if len(argv) > 1 else path.parent / "envelope.svg"
     table = envelope(results)
     args = results.get(AUTO, {}).get("effective_args") or {}
@@ -296,11 +337,15 @@ def main(argv: list[str]) -> None:
     print(markdown(table))
     print("## Goals\n")
     print(goals(table))
+    spread = server_spread(per_server)
+    if spread:
+        print("\n## Servers of one kind, side by side\n")
+        print(spread)
     print("\n## Outputs checked against the crafted continuation\n")
-    print(correctness(results))
-    if log is not None:
+    print(correctness(per_server))
+    if log is not None:  # the first auto server's log
         print("\n## auto's switches per level\n")
-        print(switches_per_level(results.get(AUTO, {}), log.read_text(errors="replace")))
+        print(switches_per_level(per_server.get(AUTO, {}), log.read_text(errors="replace")))
     title = f"output tok/s vs concurrency, SGLang {args.get('version') or '?'}"
     out_svg.write_text(svg(results, table, title))
     print(f"\nwrote {out_svg}")

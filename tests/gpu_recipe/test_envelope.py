@@ -330,3 +330,23 @@ def test_switch_lines_are_laid_against_the_levels_they_happened_in():
         "| burst | accept50 | 64 | 1 | 2 s or less (to fallback at bs 64) |",
         "| burst | accept50 | 1 | 1 | 2 s or less (to spec at bs 1) |",  # a fixed T's line: none
     ]
+
+
+def test_further_servers_of_one_kind_pool_as_repeats_and_show_side_by_side():
+    results = {
+        "env-auto": {"regions": ["accept50"], "levels": [level("accept50", 64, 7000)]},
+        "env-base": {"levels": [level("accept50", 64, 6600)]},
+        "env-auto@2": {"levels": [level("accept50", 64, 6000), level("accept50", 128, 11000)]},
+        "env-base@2": {"levels": [level("accept50", 64, 7400)]},
+    }
+    pooled = envelope_report.pooled(results)
+    assert list(pooled) == ["env-auto", "env-base"]
+    assert pooled["env-auto"]["regions"] == ["accept50"]
+    assert len(results["env-auto"]["levels"]) == 1  # the input is left as it was
+    c64, c128 = envelope_report.envelope(pooled)["accept50"]
+    assert (c64.auto, c64.plain) == (6500, 7000) and c128.auto == 11000
+    spread = envelope_report.server_spread(results)
+    assert "| env-auto | accept50 | 64 | 7000.0 / 6000.0 | 1.167 |" in spread
+    assert "| env-base | accept50 | 64 | 6600.0 / 7400.0 | 1.121 |" in spread
+    assert "| 128 |" not in spread  # one server only: nothing to compare
+    assert envelope_report.server_spread({"env-auto": results["env-auto"]}) == ""

@@ -136,6 +136,39 @@ def test_run_sh_parses():
     subprocess.run(["bash", "-n", str(KIT / "scripts" / "run.sh")], check=True)
 
 
+def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_path):
+    """``VARIANT@N`` launches VARIANT's server (here one that exits at once: no GPU) and
+    names its log and result VARIANT@N; a name already done is skipped."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
+        'if [ "$1" = "-c" ]; then exit 1; fi\n'  # the health check: nothing listens
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    home, out = tmp_path / "kit", tmp_path / "out"
+    env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(out),
+           "HEALTH_TIMEOUT": "5", "DEADLINE": "600", "ENV_LEVELS": "64", "REGIONS": "accept50"}
+    run_sh = [str(KIT / "scripts" / "run.sh"), "session", "env-fixed-T16@2", "env-auto@3"]
+    first = subprocess.run(["bash", *run_sh], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 0, first.stderr
+    logs, results = home / "work" / "logs", home / "work" / "results"
+    fixed = (logs / "env-fixed-T16@2.server.log").read_text()
+    assert "stub server:" in fixed
+    assert re.search(r"--speculative-disable-batch-threshold 16\s", fixed)
+    auto = (logs / "env-auto@3.server.log").read_text()
+    assert "--speculative-disable-batch-threshold auto" in auto
+    assert json.loads((results / "env-auto@3.json").read_text())["name"] == "env-auto@3"
+    assert set(json.loads((out / "results.json").read_text())) == {"env-fixed-T16@2",
+                                                                   "env-auto@3"}
+    again = subprocess.run(["bash", *run_sh[:3]], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert "[env-fixed-T16@2] already done" in again.stdout
+
+
 class SweepStub(JsonHandler):
     """A stand-in SGLang server for client.py and profile_steps.py: /generate answers after a
     short delay with max_new_tokens ids, /start_profile writes a canned GPU trace (or none)."""

@@ -28,6 +28,9 @@
 #       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server)
 #       (envelope.py empties the radix cache before each level: every server meets every level
 #       in the same state)
+#   VARIANT@N (any variant): another server of VARIANT, run where it stands in the list (e.g.
+#       env-auto env-base env-auto@2 env-base@2: alternating servers, whose spread
+#       envelope_report.py shows); its results and log are named VARIANT@N
 #
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
@@ -119,10 +122,11 @@ session)
   hook=""; [ -f "$WORK/act_fallback" ] && { hook="$HERE/hook:"; export KIT_ACT_FALLBACK=1; }
   for VARIANT in "$@"; do
     V=$VARIANT${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
+    KIND=${VARIANT%@*}   # env-auto@2: a second server of env-auto, its results named env-auto@2
     [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
     left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
     need=230; case "$V" in check-*) need=120;;
-      env-*) est=$("$PY" "$HERE/envelope.py" - - - $(env_args "$V") --estimate) || continue
+      env-*) est=$("$PY" "$HERE/envelope.py" - - - $(env_args "$KIND") --estimate) || continue
              need=$(( 130 + est ));; esac
     [ "$left" -lt "$need" ] && { echo "[$V] deferred: ${left}s left in this call"; continue; }
     path="$hook$SITE"; envs=(); size=8b
@@ -135,7 +139,7 @@ session)
       env-*) model=$M/succ-${ENV_SIZE:-8b}; draft=$M/succ-eagle3-${ENV_SIZE:-8b}; flags=("${flags[@]:2}");; esac
     spec=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$draft" --speculative-num-steps 3
           --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
-    case "$VARIANT" in
+    case "$KIND" in
       base|check-base) spec=();;
       base-v1) spec=(--disable-overlap-schedule);;
       eagle-v2|check-eagle-v2) ;;
@@ -148,11 +152,11 @@ session)
         path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$T"); envs+=(DYNSPEC_PROFILE=200)
         [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV})
         case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
-        case "$VARIANT" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
+        case "$KIND" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
       env-base) spec=();;
       env-eagle) ;;
       env-fixed-T*|env-auto)
-        t=${VARIANT#env-fixed-T}; [ "$VARIANT" = env-auto ] && t=auto
+        t=${KIND#env-fixed-T}; [ "$KIND" = env-auto ] && t=auto
         path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$t")
         [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV});;
       *) echo "unknown variant $V"; continue;;
@@ -172,7 +176,7 @@ session)
       budget=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) - 25 ))
       case "$V" in
         check-*) timeout "$budget" "$PY" "$HERE/check.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V";;
-        env-*) timeout "$budget" "$PY" "$HERE/envelope.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" $(env_args "$V");;
+        env-*) timeout "$budget" "$PY" "$HERE/envelope.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" $(env_args "$KIND");;
         *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
              --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS";;
       esac
