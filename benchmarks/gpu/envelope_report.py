@@ -88,6 +88,29 @@ def server_spread(results: dict) -> str:
                       "|---|---|---|---|---|", *rows])
 
 
+def gpu_clocks(results: dict) -> str:
+    """Per server: the GPU as its levels found it (envelope.py's ``"gpu"``: SM clock mean and
+    lowest, hottest temperature, mean power, throttle reasons); empty where none was recorded.
+    Servers whose GPU ran at other clocks are not comparable."""
+    rows = []
+    for name, result in results.items():
+        seen = [lv["gpu"] for lv in result.get("levels", []) if lv.get("gpu")]
+        if not seen:
+            continue
+        reasons = sorted({r for g in seen for r in g.get("throttle_reasons", [])})
+        rows.append(
+            f"| {name} | {len(seen)} | "
+            f"{statistics.mean(g['sm_mhz_mean'] for g in seen):.0f} | "
+            f"{min(g['sm_mhz_min'] for g in seen):.0f} | "
+            f"{max(g['temperature_c_max'] for g in seen):.0f} | "
+            f"{statistics.mean(g['power_w_mean'] for g in seen):.0f} | "
+            f"{', '.join(reasons) or '–'} |")
+    if not rows:
+        return ""
+    return "\n".join(["| server | levels | SM MHz, mean | SM MHz, lowest | °C, hottest | W, mean "
+                      "| throttle reasons |", "|---|---|---|---|---|---|---|", *rows])
+
+
 def fixed_thresholds(results: dict) -> list[tuple[int, str]]:
     out = []
     for name in results:
@@ -337,6 +360,10 @@ def main(argv: list[str]) -> None:
     print(markdown(table))
     print("## Goals\n")
     print(goals(table))
+    clocks = gpu_clocks(per_server)
+    if clocks:
+        print("\n## The GPU during each server's levels\n")
+        print(clocks)
     spread = server_spread(per_server)
     if spread:
         print("\n## Servers of one kind, side by side\n")

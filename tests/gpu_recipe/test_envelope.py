@@ -350,3 +350,20 @@ def test_further_servers_of_one_kind_pool_as_repeats_and_show_side_by_side():
     assert "| env-base | accept50 | 64 | 6600.0 / 7400.0 | 1.121 |" in spread
     assert "| 128 |" not in spread  # one server only: nothing to compare
     assert envelope_report.server_spread({"env-auto": results["env-auto"]}) == ""
+
+
+def test_the_gpu_each_server_ran_on_is_summarised_where_recorded():
+    def gpu(mean: float, low: float, hot: float, reasons: list[str]) -> dict:
+        return {"samples": 10, "sm_mhz_mean": mean, "sm_mhz_min": low, "mem_mhz_mean": 2619.0,
+                "temperature_c_max": hot, "power_w_mean": 600.0, "throttle_reasons": reasons}
+
+    results = {
+        "env-auto": {"levels": [{**level("accept50", 64, 7000), "gpu": gpu(1980, 1960, 50, [])},
+                                {**level("accept50", 128, 11000),
+                                 "gpu": gpu(1900, 1700, 61, ["sw_power_cap"])}]},
+        "env-base": {"levels": [{**level("accept50", 64, 6600), "gpu": None}]},
+    }
+    table = envelope_report.gpu_clocks(results)
+    assert "| env-auto | 2 | 1940 | 1700 | 61 | 600 | sw_power_cap |" in table
+    assert "env-base" not in table  # nothing recorded there
+    assert envelope_report.gpu_clocks({"env-base": results["env-base"]}) == ""

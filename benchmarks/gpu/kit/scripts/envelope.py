@@ -23,6 +23,10 @@ KV pools (745k tokens) filled with cached prompts after ~750k tokens of traffic,
 each allocation ran SGLang's eviction, which walks every cached leaf (``RadixCache.evict``); the
 patched servers, which ran two regions, met that in their second region, plain decoding (one
 region) never did.
+Each level also records the GPU's clocks, temperature, power and throttle reasons while it ran
+(``"gpu"``, gpu_sampler.py; None without nvidia-smi): on 2026-12-03 servers running the same
+kind of step differed by 10-20 % at c >= 64, and a level that records no clocks cannot tell a
+slower GPU from a slower server.
 ``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
 "burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
 models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
@@ -45,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crafted
 import server_info
+from gpu_sampler import GpuSampler
 
 MIX = "mix"
 REGION_NAMES = tuple(name for name, _ in crafted.REGIONS)
@@ -239,8 +244,10 @@ def main(argv: list[str]) -> None:
             flushed = not why
             if why:
                 out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
-        d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
-        d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed}
+        with GpuSampler() as gpu:
+            d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
+        d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed,
+              "gpu": gpu.summary()}
         if d["failed"]:
             out["errors"].append(f"{phase} {region} c={conc}: {d['first_error']}")
         out["levels"].append(d)
