@@ -180,6 +180,13 @@ def _still_connected(conn: Connection) -> bool:
         return False
 
 
+# How an Ansible user has an absent host key added (what the action plugin maps to accept-new).
+ANSIBLE_ACCEPT_NEW_HINT = (
+    "turn Ansible's host_key_checking off for this host (ANSIBLE_HOST_KEY_CHECKING=False, or "
+    "-o StrictHostKeyChecking=accept-new in ansible_ssh_common_args)"
+)
+
+
 def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
              diff: bool = False, use_sudo: bool = True,
              accept_new_host_key: bool = False) -> dict[str, Any]:
@@ -198,7 +205,7 @@ def run_host(target: SshTarget, task: HostTask, *, check_mode: bool = False,
         "health_timeout": task.health_timeout, "stop_timeout": task.stop_timeout,
     }
     conn = Connection(target, accept_new_host_key=accept_new_host_key or
-                      target.accept_new_host_key)
+                      target.accept_new_host_key, accept_new_hint=ANSIBLE_ACCEPT_NEW_HINT)
     s: deploy.Session | None = None
     try:
         if task.state == "present":  # Ansible hands "24" from -e as a string: an int or "auto"

@@ -315,13 +315,19 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
             fh.write(f"{name} {key.get_name()} {key.get_base64()}\n")
 
 
+# How a user of the CLI has an absent host key added (the unknown-key message ends with it).
+ACCEPT_NEW_HINT = "pass --accept-new-host-key"
+
+
 class _RejectPolicy(paramiko.MissingHostKeyPolicy):
+    def __init__(self, accept_new_hint: str = ACCEPT_NEW_HINT) -> None:
+        self.accept_new_hint = accept_new_hint
+
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
                          key: paramiko.PKey) -> None:
         raise HostKeyError(
             f"host key of {hostname} is not in known_hosts ({key.get_name()} "
-            f"{key.fingerprint}); verify it and add it, "
-            "or pass --accept-new-host-key"
+            f"{key.fingerprint}); verify it and add it, or {self.accept_new_hint}"
         )
 
 
@@ -350,12 +356,18 @@ class HttpResponse:
 
 
 class Connection:
-    """One SSH connection to one host (and its jump hosts); a context manager."""
+    """One SSH connection to one host (and its jump hosts); a context manager.
+
+    ``accept_new_hint`` ends the message for a host key absent from known_hosts: how the
+    caller's user has it added (the CLI's flag by default; the Ansible plugin names
+    ``host_key_checking``)."""
 
     def __init__(self, target: SshTarget, *, accept_new_host_key: bool = False,
+                 accept_new_hint: str = ACCEPT_NEW_HINT,
                  _via: Connection | None = None) -> None:
         self.target = target
         self.accept_new_host_key = accept_new_host_key
+        self.accept_new_hint = accept_new_hint
         self.stats = Stats()
         self._client: paramiko.SSHClient | None = None
         self._via = _via
@@ -398,7 +410,7 @@ class Connection:
                 client.load_system_host_keys(path)
         policy: paramiko.MissingHostKeyPolicy = (
             _AcceptNewPolicy(t.known_hosts[0], t.hash_known_hosts)
-            if self.accept_new_host_key else _RejectPolicy()
+            if self.accept_new_host_key else _RejectPolicy(self.accept_new_hint)
         )
         client.set_missing_host_key_policy(policy)
         # paramiko keeps the file it loaded as the save target; we append ourselves instead.
@@ -458,7 +470,7 @@ class Connection:
                 )
                 hop_target = SshTarget(**{**hop_target.__dict__, "proxy_jump": None})
                 conn = Connection(hop_target, accept_new_host_key=self.accept_new_host_key,
-                                  _via=via)
+                                  accept_new_hint=self.accept_new_hint, _via=via)
                 conn.open()
                 self.stats.connections += 1
                 via = conn

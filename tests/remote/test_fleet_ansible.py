@@ -12,6 +12,8 @@ from pathlib import Path
 from fleet_harness import Load, ansible_playbook, recap, write_inventory
 from remote_harness import tree_bytes
 
+from dynspec_patch.patcher import fleet as fleet_module
+
 THRESHOLD = "speculative_disable_batch_threshold"
 
 
@@ -121,6 +123,9 @@ def test_a_host_key_missing_from_known_hosts_fails_unless_host_key_checking_is_o
     assert recap(run.stdout)[host.name]["failed"] == 1
     failure = json.loads(re.search(r"fatal: \[gpu0\]: FAILED! => (\{.*\})", run.stdout).group(1))
     assert f"host key of [127.0.0.1]:{host.sshd.port} is not in known_hosts" in failure["msg"]
+    # the way out an Ansible user has, not the CLI's flag
+    assert failure["msg"].endswith(f"or {fleet_module.ANSIBLE_ACCEPT_NEW_HINT}"), failure["msg"]
+    assert "--accept-new-host-key" not in failure["msg"]
     assert known.read_text() == ""
     assert host.sshd.log.read_text().count("Accepted publickey") == logins  # never logged in
     assert tree_bytes(host.package) == before

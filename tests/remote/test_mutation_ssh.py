@@ -55,6 +55,13 @@ def test_reject_names_the_host_its_key_and_the_way_to_accept(key):
         "it and add it, or pass --accept-new-host-key")
 
 
+def test_reject_ends_with_the_callers_own_way_to_accept(key):
+    with pytest.raises(ssh.HostKeyError) as refused:
+        ssh._RejectPolicy("set it in the inventory").missing_host_key(
+            paramiko.SSHClient(), "gpu4", key)
+    assert str(refused.value).endswith("verify it and add it, or set it in the inventory")
+
+
 def test_a_connection_rejects_unknown_host_keys_unless_told_otherwise():
     target = ssh.SshTarget(alias="h", hostname="127.0.0.1", port=22, user="u")
     connection = ssh.Connection(target)
