@@ -87,15 +87,32 @@ def test_it_speculates_while_any_input_is_unknown():
 
 def test_a_snapshot_crosses_the_wire_unchanged_unknowns_included():
     """What rank 0 broadcasts is what every rank adopts: floats only, NaN for an unknown."""
-    snapshot = Snapshot(2.5, CostTable({16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}))
+    snapshot = Snapshot(2.5, CostTable({16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}), 64)
     wire = snapshot.to_wire()
     assert all(isinstance(x, float) for x in wire)
-    assert wire[:4] == [2.5, 1.0, 11.0, wire[3]] and math.isnan(wire[3])  # sizes in order
+    # tokens, their load, then the sizes in order
+    assert wire[:5] == [2.5, 64.0, 1.0, 11.0, wire[4]] and math.isnan(wire[4])
     assert Snapshot.from_wire(wire) == snapshot
     cold = Snapshot()  # nothing measured yet
-    [tokens] = cold.to_wire()
-    assert math.isnan(tokens)
-    assert Snapshot.from_wire([tokens]) == cold
+    tokens, load = cold.to_wire()
+    assert math.isnan(tokens) and load == 0.0
+    assert Snapshot.from_wire([tokens, load]) == cold
+
+
+def test_in_fallback_only_an_acceptance_read_at_about_this_load_switches_back():
+    """A probe's acceptance read at another load (one request, another mix) does not decide
+    for this batch; the probe due at this load does."""
+    policy = policy_with(1.0)
+    modes_through(policy, [64] * 20)
+    assert policy.in_fallback
+    # 3.0 tokens per step wins at bs 16 (the crossover is past 81), but was read at bs 1
+    policy.adopt(Snapshot(3.0, table(), 1))
+    assert modes_through(policy, [16] * 40) == [True] * 40
+    policy.adopt(Snapshot(3.0, table(), 24))  # within 2x of 16 (padded 16): it counts
+    assert not modes_through(policy, [16] * 40)[-1]
+    # speculating, every reading counts (the stretch reads its own acceptance)
+    policy.adopt(Snapshot(1.0, table(), 1))
+    assert modes_through(policy, [16] * 40)[-1]
 
 
 def test_costs_between_graph_sizes_are_interpolated_and_unknown_outside():
@@ -397,8 +414,14 @@ def test_from_a_cold_start_a_burst_switches_within_a_bounded_number_of_steps():
     into_fallback = modes.index(True, 400)
     assert into_fallback - 400 <= 2 * 16 + confirm
     assert all(modes[into_fallback:800])
-    assert modes.index(False, 800) - 800 == confirm - 1  # costs at bs 1 are known by now
-    assert not any(modes[800 + confirm :])
+    # Back at bs 1 the acceptance read at bs 64 does not decide: the probe due once the load
+    # moved (after probe_gap steps, at most probe_steps_max long) reads it at bs 1, the next
+    # sync shares it, then confirm_steps decisions (costs at bs 1 are known by now).
+    config = AutoConfig()
+    back = modes.index(False, 800) - 800
+    most = config.probe_gap + config.probe_steps_max + config.sync_every + config.lag_steps
+    assert config.probe_gap < back <= most + confirm
+    assert not any(modes[800 + back :])
     assert controller.policy.n_switches == 2
 
 
@@ -540,6 +563,17 @@ def test_the_composition_counts_only_at_about_the_load_it_was_learned_at():
         verified(measurements, [(requests, 2.1)] * 8, probe=True, first_step=first)
         assert measurements.tokens_per_step == pytest.approx(2.1 * counted), requests
         fallback_step(measurements, first + 8, requests)
+
+
+def test_the_snapshot_says_at_which_load_its_acceptance_was_read():
+    measurements = Measurements(WINDOW_64, StepCosts())
+    assert measurements.snapshot().tokens_load == 0  # nothing read yet
+    verified(measurements, [(32, 2.0)] * 2, probe=True)
+    assert measurements.snapshot().tokens_load == 32
+    fallback_step(measurements, 2, requests=64)  # a fallback step reads no acceptance
+    assert measurements.snapshot().tokens_load == 32
+    verified(measurements, [(1, 3.0)] * 8, probe=True, first_step=3)
+    assert measurements.snapshot().tokens_load == 1
 
 
 def test_plain_steps_while_speculating_neither_end_the_stretch_nor_a_probe():

@@ -322,16 +322,20 @@ class Snapshot:
     """Every measured input of a decision, the same object on every TP rank.
 
     ``tokens_per_step``: expected tokens per speculative step per request (1 + accepted
-    drafts), None before the first verify step was read.
+    drafts), None before the first verify step was read; ``tokens_load``: the padded batch
+    size of the newest verify step it holds (0: none).
     """
 
     tokens_per_step: float | None = None
     table: CostTable = dataclasses.field(default_factory=CostTable)
+    tokens_load: int = 0
 
     def to_wire(self) -> list[float]:
-        """Floats for a broadcast: tokens, then (bs, spec ms, plain ms) rows; NaN for None."""
+        """Floats for a broadcast: tokens, their load, then (bs, spec ms, plain ms) rows; NaN
+        for None."""
         nan = float("nan")
-        wire = [nan if self.tokens_per_step is None else self.tokens_per_step]
+        wire = [nan if self.tokens_per_step is None else self.tokens_per_step,
+                float(self.tokens_load)]
         for bs, (spec, plain) in sorted(self.table.entries.items()):
             wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
         return wire
@@ -341,11 +345,11 @@ class Snapshot:
         def value(x: float) -> float | None:
             return None if x != x else float(x)  # NaN: unknown
 
-        rows = wire[1:]
+        rows = wire[2:]
         entries = {
             int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
         }
-        return cls(value(wire[0]), CostTable(entries))
+        return cls(value(wire[0]), CostTable(entries), int(wire[1]))
 
 
 @dataclass(frozen=True)
@@ -385,8 +389,11 @@ class GoodputPolicy:
     (speculation at start-up). It also says which steps run the other mode once:
     probes (in fallback after 16, 32, ... 1024 steps, re-measuring acceptance and the
     speculative cost; speculating, every 1024 steps, re-measuring the plain cost) and explore
-    steps (the table has no cost of the other mode at this size). Decisions depend only on
-    the adopted snapshots, the batch sizes and step counts, so ranks fed the same agree.
+    steps (the table has no cost of the other mode at this size). In fallback, speculation
+    wins only on an acceptance read at about this load (within 2x, ``Snapshot.tokens_load``):
+    one read at another load (a single request, another mix) waits for the probe due here.
+    Decisions depend only on the adopted snapshots, the batch sizes and step counts, so ranks
+    fed the same agree.
     """
 
     def __init__(
@@ -450,7 +457,9 @@ class GoodputPolicy:
         padded = padded_batch_size(batch_size, self.graph_sizes)
         estimates = self.estimates(batch_size)
         self.last = estimates
-        if estimates is not None and self._other_mode_wins(estimates):
+        if estimates is not None and self._other_mode_wins(estimates) and (
+            not self.in_fallback or self._acceptance_is_of(padded)
+        ):
             self._wins += 1
             if self._wins >= self._wins_needed(padded):
                 self._switch(estimates)
@@ -510,6 +519,14 @@ class GoodputPolicy:
             return 0
         quiet = (self.steps - self._last_switch[0]) // self.config.flap_window
         return max(0, self._flaps - quiet)
+
+    def _acceptance_is_of(self, padded: int) -> bool:
+        """Whether the acceptance was read at about this load (within 2x): in fallback it
+        comes from probes, and one read at another load (a single request, another mix) says
+        little of this batch; the probe gap restarts when the load moves, so a probe here
+        reads it soon."""
+        load = self.snapshot.tokens_load
+        return not load or _same_load(padded, load)
 
     def _other_mode_wins(self, est: Estimates) -> bool:
         ahead = 1.0 + self.config.margin
@@ -757,7 +774,7 @@ class Measurements:
             spec, plain = entries.get(padded, (None, None))
             median = float(sorted(window)[len(window) // 2])
             entries[padded] = (median, plain) if speculative else (spec, median)
-        return Snapshot(self.tokens_per_step, CostTable(entries))
+        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded)
 
 
 def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
