@@ -565,6 +565,33 @@ def test_the_composition_counts_only_at_about_the_load_it_was_learned_at():
         fallback_step(measurements, first + 8, requests)
 
 
+def test_probes_that_agree_at_one_load_pool_and_others_replace():
+    """In fallback a 64-request probe alone is noisy: one that agrees (within 30 %) with the
+    probes before it at about their load joins them in the 256-request window; one at another
+    load, or one that reads a change of traffic, starts afresh."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(64, 2.0)], probe=True)
+    fallback_step(measurements, 1, requests=64)
+    verified(measurements, [(64, 2.4)], probe=True, first_step=2)  # +20 %: it joins
+    assert measurements.tokens_per_step == pytest.approx(2.2)
+    fallback_step(measurements, 3, requests=64)
+    verified(measurements, [(48, 2.5)], probe=True, first_step=4)  # bs 48: about the load
+    assert measurements.tokens_per_step == pytest.approx((128 + 153.6 + 120) / 176)
+    fallback_step(measurements, 5, requests=64)
+    verified(measurements, [(64, 3.5)], probe=True, first_step=6)  # +52 %: traffic changed
+    assert measurements.tokens_per_step == 3.5
+    fallback_step(measurements, 7, requests=64)
+    verified(measurements, [(16, 3.6)] * 4, probe=True, first_step=8)  # another load
+    assert measurements.tokens_per_step == 3.6
+    # a speculative stretch between two probes: the next probe replaces what it left (and
+    # counts times the composition that stretch taught)
+    verified(measurements, [(16, 2.0)] * 16, first_step=12)
+    fallback_step(measurements, 28, requests=16)
+    assert measurements.composition == pytest.approx(2.0 / 3.6)
+    verified(measurements, [(16, 2.1)] * 4, probe=True, first_step=29)
+    assert measurements.tokens_per_step == pytest.approx(2.1 * 2.0 / 3.6)
+
+
 def test_the_snapshot_says_at_which_load_its_acceptance_was_read():
     measurements = Measurements(WINDOW_64, StepCosts())
     assert measurements.snapshot().tokens_load == 0  # nothing read yet

@@ -251,6 +251,11 @@ class AutoConfig:
     request's acceptance is its own, not a batch's composition). ``max_tokens_per_step``: the
     most a speculative step can give a request (``speculative_num_steps + 1``; None: no
     bound); where speculation loses even at that, no probe and no explore step speculates.
+    ``probe_change``: a probe at about the load of the probes before it (within 2x, no
+    speculative stretch between) whose first step reads within this ratio of their acceptance
+    joins them in the acceptance window; one that reads further off, or at another load,
+    replaces it (a 64-request probe alone has a sampling error of ~7 % on mixed traffic: 0.3
+    is a change of traffic, not noise).
     """
 
     confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
@@ -270,6 +275,7 @@ class AutoConfig:
     composition_bounds: tuple[float, float] = (0.5, 1.0)
     composition_min_batch: int = 8
     max_tokens_per_step: float | None = None
+    probe_change: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -662,8 +668,10 @@ class Measurements:
     growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is the
     mean tokens per request over the newest verify steps holding ``acceptance_requests``
     requests (one step of a large batch, many steps of a small one, so a single step of one
-    request does not decide it), kept while in fallback, where each probe replaces it: the
-    first step of a probe clears what the speculative stretch left.
+    request does not decide it), kept while in fallback, where probes re-measure it: the first
+    step of a probe clears what the speculative stretch left, or a probe at another load, or one
+    that reads more than ``probe_change`` off; a probe that agrees with the probes before it at
+    about their load joins them, so the window spans several probes.
 
     A probe overstates what speculating would give when requests differ in acceptance:
     speculation finishes the high-acceptance requests sooner, so a speculating batch holds
@@ -729,6 +737,7 @@ class Measurements:
         self, tokens_per_request: float, requests: int, padded: int, probe: bool
     ) -> None:
         starts_probe = probe and not self._in_probe
+        read_at = self._padded
         self._in_probe = probe
         if probe:
             self._end_stretch()  # at the stretch's own load, before this step's
@@ -739,7 +748,10 @@ class Measurements:
         self._padded = padded
         if tokens_per_request > 0 and requests > 0:
             if starts_probe:
-                self._verified.clear()
+                pooled = self._raw if self._from_probe and _same_load(padded, read_at) else None
+                change = self.config.probe_change
+                if pooled is None or abs(tokens_per_request / pooled - 1.0) > change:
+                    self._verified.clear()
                 self._from_probe = True
             self._verified.append((tokens_per_request * requests, requests))
             # drop the oldest steps the newest ones do without
