@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
-from paramiko.hostkeys import InvalidHostKey  # HostKeys.load's error for a line not in base64
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 from dynspec_patch.patcher.errors import DynspecError, RefusedError, UsageError
 from dynspec_patch.patcher.remote_agent import (
@@ -315,6 +315,23 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
             fh.write(f"{name} {key.get_name()} {key.get_base64()}\n")
 
 
+def _load_known_hosts(host_keys: paramiko.HostKeys, path: str) -> None:
+    """Add one known_hosts file's keys, skipping a line that does not parse, as OpenSSH does
+    (paramiko's ``HostKeys.load`` gives up on the whole file at a key that is not base64)."""
+    with open(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                entry = HostKeyEntry.from_line(line, lineno)
+            except (InvalidHostKey, paramiko.SSHException):
+                continue
+            if entry is not None:
+                for name in entry.hostnames:
+                    host_keys.add(name, entry.key.get_name(), entry.key)
+
+
 # How a user of the CLI has an absent host key added (the unknown-key message ends with it).
 ACCEPT_NEW_HINT = "pass --accept-new-host-key"
 
@@ -402,11 +419,11 @@ class Connection:
         for path in t.known_hosts:
             if os.path.exists(path):
                 try:
-                    client.load_host_keys(path)
-                except (OSError, InvalidHostKey) as exc:
+                    _load_known_hosts(client.get_host_keys(), path)
+                except (OSError, UnicodeDecodeError) as exc:
                     raise UsageError(f"cannot read known_hosts {path}: {exc}") from exc
-        for path in t.global_known_hosts:
-            with contextlib.suppress(OSError, InvalidHostKey):
+        for path in t.global_known_hosts:  # a system file that does not parse is skipped
+            with contextlib.suppress(OSError, UnicodeDecodeError, InvalidHostKey):
                 client.load_system_host_keys(path)
         policy: paramiko.MissingHostKeyPolicy = (
             _AcceptNewPolicy(t.known_hosts[0], t.hash_known_hosts)

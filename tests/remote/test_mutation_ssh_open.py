@@ -166,16 +166,26 @@ def test_global_known_hosts_are_read_and_a_broken_one_is_skipped(sshd, tmp_path)
         login_name(target(sshd, known_hosts=(str(empty),), global_known_hosts=global_files[:2]))
 
 
-@pytest.mark.parametrize("content", [None, "[127.0.0.1]:22 ssh-ed25519 !!not-base64!!\n"])
+@pytest.mark.parametrize("content", [None, b"\xff\xfe not text\n"])
 def test_an_unreadable_known_hosts_is_one_clear_refusal(sshd, tmp_path, content):
     known = tmp_path / "known_hosts"
     if content is None:
         known.mkdir()
     else:
-        known.write_text(content)
+        known.write_bytes(content)
     with pytest.raises(UsageError) as refused:
         login_name(target(sshd, known_hosts=(str(known),)))
     assert str(refused.value).startswith(f"cannot read known_hosts {known}: ")
+
+
+def test_a_known_hosts_line_that_does_not_parse_is_skipped_as_openssh_does(sshd, tmp_path):
+    known = tmp_path / "known_hosts"
+    bad = f"[127.0.0.1]:{sshd.port} ssh-ed25519 !!not-base64!!\n"
+    known.write_text(bad + "gpu9 ssh-ed25519\n" + sshd.known_hosts.read_text())
+    assert login_name(target(sshd, known_hosts=(str(known),))) == OP_USER
+    known.write_text(bad)  # nothing else there: the host is unknown, not the file unreadable
+    with pytest.raises(ssh.HostKeyError, match="not in known_hosts"):
+        login_name(target(sshd, known_hosts=(str(known),)))
 
 
 def test_accept_new_writes_a_hashed_entry_into_the_first_known_hosts(sshd, tmp_path):
