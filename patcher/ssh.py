@@ -430,7 +430,7 @@ class Connection:
             if self.accept_new_host_key else _RejectPolicy(self.accept_new_hint)
         )
         client.set_missing_host_key_policy(policy)
-        # paramiko keeps the file it loaded as the save target; we append ourselves instead.
+        # paramiko never saves known_hosts here: _AcceptNewPolicy appends the new line itself.
         keys = [p for p in t.identity_files if os.path.exists(p)]
         try:
             with _agent_socket(t.identity_agent):

@@ -50,12 +50,18 @@ def tok_s(result: dict) -> dict[str, dict[int, float]]:
     return {r: {c: statistics.mean(v) for c, v in by_c.items()} for r, by_c in values.items()}
 
 
+def server_kind(name: str) -> str:
+    """The kind a result's server was: ``env-auto@2`` (the kit's ``run.sh`` name for a further
+    server of a variant) is an ``env-auto``."""
+    return name.partition("@")[0]
+
+
 def pooled(results: dict) -> dict:
     """One entry per server kind: the levels of its further servers (``NAME@N``, as the kit's
     ``run.sh`` names them) join the first server's as more repeats, so means run over servers."""
     out: dict = {}
     for name, result in results.items():
-        kind = name.partition("@")[0]
+        kind = server_kind(name)
         if kind in out:
             out[kind]["levels"] += result.get("levels", [])
         else:
@@ -68,7 +74,7 @@ def server_spread(results: dict) -> str:
     concurrency, and the largest over the smallest (empty when no kind ran twice)."""
     kinds: dict[str, list[str]] = {}
     for name in results:
-        kinds.setdefault(name.partition("@")[0], []).append(name)
+        kinds.setdefault(server_kind(name), []).append(name)
     rows = []
     for kind, names in kinds.items():
         if len(names) < 2:

@@ -463,9 +463,7 @@ class GoodputPolicy:
         padded = padded_batch_size(batch_size, self.graph_sizes)
         estimates = self.estimates(batch_size)
         self.last = estimates
-        if estimates is not None and self._other_mode_wins(estimates) and (
-            not self.in_fallback or self._acceptance_is_of(padded)
-        ):
+        if estimates is not None and self._other_mode_wins(estimates):
             self._wins += 1
             if self._wins >= self._wins_needed(padded):
                 self._switch(estimates)
@@ -537,7 +535,9 @@ class GoodputPolicy:
     def _other_mode_wins(self, est: Estimates) -> bool:
         ahead = 1.0 + self.config.margin
         if self.in_fallback:
-            return est.spec_tok_s > est.plain_tok_s * ahead
+            return self._acceptance_is_of(est.padded) and (
+                est.spec_tok_s > est.plain_tok_s * ahead
+            )
         return est.plain_tok_s > est.spec_tok_s * ahead
 
     def _explores(self, batch_size: int, step: int) -> bool:
