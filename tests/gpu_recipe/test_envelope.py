@@ -21,8 +21,8 @@ sys.path.insert(0, str(GPU / "kit" / "scripts"))
 sys.path.insert(0, str(GPU))
 
 import crafted  # noqa: E402
-import envelope  # noqa: E402
 import envelope_report  # noqa: E402
+import server_info  # noqa: E402
 from stub_http import JsonHandler, serving  # noqa: E402
 
 ACCEPT = {"accept0": 1.0, "accept50": 2.0, "accept90": 3.5}  # the stand-in's accept lengths
@@ -155,8 +155,8 @@ def test_a_refused_flush_is_retried_and_one_that_never_succeeds_is_reported(craf
     assert len(CraftedStub.flushes) == 2
 
     CraftedStub.refusals = 10
-    assert envelope.flush_cache(crafted_url, tries=2) == "HTTP 400: requests are running"
-    assert envelope.flush_cache("http://127.0.0.1:9", tries=2).startswith("URLError(")
+    assert server_info.flush_cache(crafted_url, tries=2) == "HTTP 400: requests are running"
+    assert server_info.flush_cache("http://127.0.0.1:9", tries=2).startswith("URLError(")
 
 
 def test_keep_cache_sends_no_flush(crafted_url, tmp_path):

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -176,11 +177,16 @@ class SweepStub(JsonHandler):
     write_trace = True
     kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
     slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
+    flushes: ClassVar[list[float]] = []  # when each /flush_cache came (time.time())
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
 
     def do_POST(self) -> None:
+        if self.path == "/flush_cache":
+            self.flushes.append(time.time())
+            self._reply({})
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/start_profile":
             if self.write_trace:
@@ -207,6 +213,7 @@ def stub_url() -> Iterator[str]:
         yield url
     SweepStub.write_trace = True
     SweepStub.slow_parity = None
+    SweepStub.flushes.clear()
 
 
 def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
@@ -225,6 +232,22 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         # a closed loop: every client sent its next request until the time was up (20 ms each)
         assert d["requests"] >= 10 * d["concurrency"], d
         assert d["output_tokens"] == 8 * d["requests"]
+        # each client's rate over its own requests (>= 20 ms each), summed
+        assert d["output_tok_per_s"] <= d["loaded_tok_per_s"] <= d["concurrency"] * 8 / 0.02
+        assert d["cache_flushed"] is True
+        assert "gpu" in d  # None where no nvidia-smi answers
+    # the radix cache was emptied once before each level, before its first request
+    assert len(SweepStub.flushes) == len(levels)
+
+
+def test_the_loaded_rate_is_each_clients_tokens_over_its_busy_time():
+    """Two clients: one finished two requests of 8 tokens in 0.1 s each, the other one request
+    of 8 tokens that ran 0.35 s past the deadline (the drain). Each client's rate counts."""
+    import client
+
+    fast = [({"meta_info": {"completion_tokens": 8}}, 0.1)] * 2
+    slow = [({"output_ids": [1] * 8}, 0.35)]
+    assert client.loaded_rate([fast, slow, []]) == pytest.approx(16 / 0.2 + 8 / 0.35)
 
 
 def test_greedy_outputs_under_load_are_kept_by_prompt(stub_url, tmp_path):

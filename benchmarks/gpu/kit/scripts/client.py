@@ -5,32 +5,30 @@
 # its last one returns, until S seconds have passed (then the requests in flight finish); a level is
 # then at least S seconds of decoding instead of one wave of c requests (one hiccup moves a short
 # wave's number). --repeats R runs every level R times in a row (entries keep their "repeat").
+# Each level records, beside output_tok_per_s (tokens / wall, the wall running until the last
+# request in flight at the deadline returns), loaded_tok_per_s: the sum over the c clients of each
+# one's tokens / its own busy time, the rate while all c requests were in flight (Little's law
+# for a closed loop). After the deadline fewer and fewer requests run, and how long that drain
+# lasts depends on how far the clients' requests have drifted apart, not on the server's speed:
+# a level of 510 requests (2 clients a wave behind) ran 10 % longer by the wall than one of 512.
+# Before each level the server's radix cache is emptied (--keep-cache: not), as envelope.py does:
+# a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
+# starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
+# the GPU's clocks (gpu_sampler.py; None without nvidia-smi).
 import argparse
 import json
 import random
 import statistics
+import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import server_info  # beside this script
+from gpu_sampler import GpuSampler
 
-ap = argparse.ArgumentParser()
-ap.add_argument("url")
-ap.add_argument("out")
-ap.add_argument("name")
-ap.add_argument("--levels", default="1,4,16,32,64,128")
-ap.add_argument("--plen", type=int, default=256)
-ap.add_argument("--olen", type=int, default=256)
-ap.add_argument("--greedy", type=int, default=16)
-ap.add_argument("--vocab", type=int, default=128000)
-ap.add_argument("--min-reqs", type=int, default=8)
-ap.add_argument("--mult", type=int, default=2)
-ap.add_argument("--timeout", type=float, default=600)
-ap.add_argument("--duration", type=float, default=0.0)
-ap.add_argument("--repeats", type=int, default=1)
-a = ap.parse_args()
+a = None  # the parsed arguments (main)
 
 
 def prompts(seed, n):
@@ -81,9 +79,9 @@ def run_for(seed, conc, duration):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
-    pool by prompt index). Client k sends prompts k, k + conc, ...: how many each one
-    finishes depends on the server's timing, so outputs are compared by prompt, never by
-    position in the results."""
+    pool by prompt index, loaded tokens/s). Client k sends prompts k, k + conc, ...: how many
+    each one finishes depends on the server's timing, so outputs are compared by prompt, never
+    by position in the results."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
@@ -99,16 +97,25 @@ def run_for(seed, conc, duration):
         return done
 
     with ThreadPoolExecutor(conc) as ex:
-        res = [r for part in ex.map(client, range(conc)) for r in part]
-    return res, time.perf_counter() - t0, by_prompt
+        parts = list(ex.map(client, range(conc)))
+    res = [r for part in parts for r in part]
+    return res, time.perf_counter() - t0, by_prompt, loaded_rate(parts)
+
+
+def tokens(result):
+    r = result[0]
+    return r.get("meta_info", {}).get("completion_tokens", len(r.get("output_ids", [])))
+
+
+def loaded_rate(parts):
+    """Sum over the clients of each one's tokens / its busy time (the latencies of its requests,
+    back to back): the server's rate at full concurrency, without the drain after the deadline."""
+    return sum(sum(map(tokens, part)) / sum(lat for _, lat in part) for part in parts if part)
 
 
 def summarize(res, wall, conc):
     mi = [r.get("meta_info", {}) for r, _ in res]
-    toks = [
-        m.get("completion_tokens", len(r.get("output_ids", [])))
-        for (r, _), m in zip(res, mi, strict=False)
-    ]
+    toks = [tokens(r) for r in res]
     lat = [latency for _, latency in res]
     tpot = [lt / max(1, t) * 1000 for lt, t in zip(lat, toks, strict=False)]
     d = dict(
@@ -133,58 +140,94 @@ def summarize(res, wall, conc):
     return d
 
 
-out = {"name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "levels": [], "errors": []}
-info, error = server_info.fetch(a.url)
-if info:
-    out["server_info"] = info
-if error:
-    out["errors"].append(error)
-out["effective_args"] = server_info.effective_args(info)
-print("effective args:", out["effective_args"], flush=True)
-# warm-up (short) so lazy compilation does not land in the first measured level
-try:
-    run([p for p in prompts(7, 4)], 4)
-    print("warm-up done", flush=True)
-except Exception as e:
-    out["errors"].append(f"warmup: {e!r}")
-# greedy reference outputs, concurrency 1
-t = time.perf_counter()
-gp = prompts(12345, a.greedy)
-greedy = []
-for p in gp:
+def parse(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("out")
+    ap.add_argument("name")
+    ap.add_argument("--levels", default="1,4,16,32,64,128")
+    ap.add_argument("--plen", type=int, default=256)
+    ap.add_argument("--olen", type=int, default=256)
+    ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=128000)
+    ap.add_argument("--min-reqs", type=int, default=8)
+    ap.add_argument("--mult", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--duration", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--keep-cache", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv):
+    global a
+    a = parse(argv)
+    out = {"name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen, "levels": [], "errors": []}
+    info, error = server_info.fetch(a.url)
+    if info:
+        out["server_info"] = info
+    if error:
+        out["errors"].append(error)
+    out["effective_args"] = server_info.effective_args(info)
+    print("effective args:", out["effective_args"], flush=True)
+    # warm-up (short) so lazy compilation does not land in the first measured level
     try:
-        r, _ = gen(p)
-        greedy.append(r.get("output_ids"))
+        run([p for p in prompts(7, 4)], 4)
+        print("warm-up done", flush=True)
     except Exception as e:
-        greedy.append(None)
-        out["errors"].append(f"greedy: {e!r}")
-out["greedy_c1"] = greedy
-print(f"greedy c=1: {len(greedy)} prompts in {time.perf_counter() - t:.1f}s", flush=True)
-for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.repeats)]:
-    n = max(a.min_reqs, a.mult * c)
-    try:
-        if a.duration > 0:
-            res, wall, by_prompt = run_for(1000 + c + 7919 * rep, c, a.duration)
-            firsts = [by_prompt.get(i) for i in range(min(16, c))]
-        else:
-            res, wall = run(prompts(1000 + c, n), c)
-            firsts = [r.get("output_ids") for r, _ in res[:16]]
-        d = summarize(res, wall, c)
-        d["repeat"] = rep
-        if a.duration > 0:
-            d["duration_s"] = a.duration
-        if rep == 0 and c == max(
-            int(x) for x in a.levels.split(",")
-        ):  # greedy outputs of the fixed prompts under load
-            d["note"] = "output_ids of prompts 0-15 kept in greedy_at_max_conc"
-            out["greedy_at_max_conc"] = firsts
-    except Exception as e:
-        d = dict(concurrency=c, error=repr(e))
-        out["errors"].append(f"c={c}: {e!r}")
-    out["levels"].append(d)
-    print(json.dumps(d), flush=True)
+        out["errors"].append(f"warmup: {e!r}")
+    # greedy reference outputs, concurrency 1
+    t = time.perf_counter()
+    gp = prompts(12345, a.greedy)
+    greedy = []
+    for p in gp:
+        try:
+            r, _ = gen(p)
+            greedy.append(r.get("output_ids"))
+        except Exception as e:
+            greedy.append(None)
+            out["errors"].append(f"greedy: {e!r}")
+    out["greedy_c1"] = greedy
+    print(f"greedy c=1: {len(greedy)} prompts in {time.perf_counter() - t:.1f}s", flush=True)
+    for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.repeats)]:
+        n = max(a.min_reqs, a.mult * c)
+        flushed = False
+        if not a.keep_cache:
+            why = server_info.flush_cache(a.url)
+            flushed = not why
+            if why:
+                out["errors"].append(f"c={c}: cache not flushed: {why}")
+        try:
+            with GpuSampler() as gpu:
+                if a.duration > 0:
+                    res, wall, by_prompt, loaded = run_for(1000 + c + 7919 * rep, c, a.duration)
+                    firsts = [by_prompt.get(i) for i in range(min(16, c))]
+                else:
+                    res, wall = run(prompts(1000 + c, n), c)
+                    firsts = [r.get("output_ids") for r, _ in res[:16]]
+            d = summarize(res, wall, c)
+            d["repeat"] = rep
+            if a.duration > 0:
+                d["duration_s"] = a.duration
+                d["loaded_tok_per_s"] = round(loaded, 1)
+            d["cache_flushed"] = flushed
+            d["gpu"] = gpu.summary()
+            if rep == 0 and c == max(
+                int(x) for x in a.levels.split(",")
+            ):  # greedy outputs of the fixed prompts under load
+                d["note"] = "output_ids of prompts 0-15 kept in greedy_at_max_conc"
+                out["greedy_at_max_conc"] = firsts
+        except Exception as e:
+            d = dict(concurrency=c, error=repr(e))
+            out["errors"].append(f"c={c}: {e!r}")
+        out["levels"].append(d)
+        print(json.dumps(d), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f)
     with open(a.out, "w") as f:
         json.dump(out, f)
-with open(a.out, "w") as f:
-    json.dump(out, f)
-print("wrote", a.out)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -58,9 +58,6 @@ WARMUP_S = 15.0  # server info, warm-up requests
 # Seconds after DURATION until a level's last requests finish: OLEN tokens at ~20 ms a token (the
 # slowest case measured, unpatched EAGLE-3 at c = 128, is ~50 tokens/s per request).
 TAIL_S_PER_TOKEN = 0.02
-# /flush_cache answers 400 while requests are still running or queued: retry this often, 0.2 s
-# apart (a level's last responses are in, but the scheduler may not have retired them yet).
-FLUSH_TRIES = 50
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,22 +107,6 @@ def region_of_request(region: str, client: int, sent: int) -> int:
     if region == MIX:
         return (client + sent) % len(REGION_NAMES)
     return REGION_NAMES.index(region)
-
-
-def flush_cache(url: str, tries: int = FLUSH_TRIES) -> str:
-    """Empty the server's radix cache: "" once it did, else why not."""
-    why = ""
-    for _ in range(tries):
-        req = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=30):
-                return ""
-        except urllib.error.HTTPError as exc:  # 400: requests still running
-            why = f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace').strip()}"
-        except OSError as exc:  # URLError, a reset
-            return repr(exc)
-        time.sleep(0.2)
-    return why
 
 
 class Sweep:
@@ -240,7 +221,7 @@ def main(argv: list[str]) -> None:
         first_of_burst = phase == "burst" and runs[n - 1][0] != "burst"
         flushed = False
         if not a.keep_cache and (phase == "sweep" or first_of_burst):
-            why = flush_cache(a.url)
+            why = server_info.flush_cache(a.url)
             flushed = not why
             if why:
                 out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
