@@ -110,10 +110,28 @@ def test_threshold_one_still_resumes_when_load_drops() -> None:
         True,
         True,
         True,
-        False,
+        True,  # the first small batch: it has to last 2 steps
         False,
         False,
     ]
+
+
+def test_a_short_dip_under_load_does_not_resume_speculation() -> None:
+    """Between two waves of 64 requests one decode step ran at bs 10 (SGLang 0.5.17, 2026-12-04):
+    resuming there cost a draft-extend and the dwell's speculative steps at bs 64."""
+    controller = DynSpecController(threshold=16, min_dwell_steps=8)
+    wave = [64] * 50 + [10] * 7 + [64] * 50
+    assert all(controller.decide(bs) for bs in wave * 3)
+    assert controller.n_switches == 1
+
+
+def test_resuming_needs_small_batches_in_a_row() -> None:
+    controller = DynSpecController(threshold=16, min_dwell_steps=3)
+    controller.decide(64)
+    # 2 small, 1 in the band (above resume_below = 14): the count starts again
+    assert all(controller.decide(bs) for bs in (10, 10, 15, 10, 10))
+    assert controller.decide(10) is False
+    assert controller.n_switches == 2
 
 
 @pytest.mark.parametrize(
@@ -134,3 +152,11 @@ def test_threshold_one_still_resumes_when_load_drops() -> None:
 def test_argument_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DynSpecController(**kwargs)
+
+
+def test_each_fallback_stretch_counts_its_own_small_batches() -> None:
+    controller = DynSpecController(threshold=16, min_dwell_steps=2)
+    decisions = [controller.decide(bs) for bs in (64, 10, 10, 64, 64, 64, 10, 10)]
+    # resumed at the second 10; back in fallback after 2 speculative steps; the next 10 is the
+    # first small batch of this fallback stretch, not the third
+    assert decisions == [True, True, False, False, True, True, True, False]

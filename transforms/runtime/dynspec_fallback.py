@@ -129,10 +129,18 @@ def effective_batch_size(local_batch_size: int, global_num_tokens: list[int] | N
 class DynSpecController:
     """Hysteresis switch between speculative and fallback decode steps.
 
-    Enters fallback when the batch size is > ``threshold``, resumes speculation when it is
-    <= ``resume_below``, and stays at least ``min_dwell_steps`` decode steps in a mode before
-    switching. Inputs are integers only, so every TP rank fed the same batch sizes takes the
-    same decisions (ranks that diverged would hang in collectives).
+    Enters fallback when the batch size is > ``threshold``, resumes speculation once it has
+    been <= ``resume_below`` for ``min_dwell_steps`` decode steps in a row, and stays at least
+    ``min_dwell_steps`` decode steps in a mode before switching. Inputs are integers only, so
+    every TP rank fed the same batch sizes takes the same decisions (ranks that diverged would
+    hang in collectives).
+
+    Why resuming waits for a small batch to last: under load a decode batch can be small for a
+    step or two while the next requests are still being prefilled (on 2026-12-04, SGLang 0.5.17,
+    c = 64 waves: one decode step at bs 10 between two at bs 64). Resuming there cost a
+    draft-extend step and then, because of the dwell, 8 speculative steps at bs 64 (26 ms each
+    where a fallback step takes 8) per wave. A load that really dropped waits
+    ``min_dwell_steps`` cheap small-batch steps longer to speculate.
     """
 
     def __init__(
@@ -163,6 +171,7 @@ class DynSpecController:
         self.in_fallback = False
         # The first switch may happen at once: a burst at start-up needs no warm-up dwell.
         self.steps_in_mode = min_dwell_steps
+        self.small_steps_in_a_row = 0  # in fallback: decode steps at or below resume_below
         self.n_fallback_steps = 0
         self.n_spec_steps = 0
         self.n_switches = 0
@@ -174,10 +183,13 @@ class DynSpecController:
 
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
-        wants_fallback = (
-            batch_size > self.threshold if not self.in_fallback else batch_size > self.resume_below
-        )
-        if wants_fallback != self.in_fallback and self.steps_in_mode >= self.min_dwell_steps:
+        if self.in_fallback:  # a stretch starts on a big batch, so its count starts from 0
+            small = batch_size <= self.resume_below
+            self.small_steps_in_a_row = self.small_steps_in_a_row + 1 if small else 0
+            switch = self.small_steps_in_a_row >= self.min_dwell_steps
+        else:
+            switch = batch_size > self.threshold
+        if switch and self.steps_in_mode >= self.min_dwell_steps:
             self._switch(batch_size)
         self.steps_in_mode += 1
         if self.in_fallback:

@@ -1,0 +1,123 @@
+"""Issue 15's side-by-side table from one hold's client.py results (the kit's ``session``).
+
+usage: python benchmarks/gpu/side_by_side.py RESULTS_JSON [--patched dyn-v2] [--plain base]
+           [--against eagle-v2 --against native-v2]
+  RESULTS_JSON  name -> client.py result, as the kit's session writes $OUT/results.json; a
+                further server of a kind (NAME@N) counts as more repeats of it, so servers run
+                in alternating order (dyn-v2, base, ..., dyn-v2@2, base@2) pool into one mean
+
+Prints, per concurrency: each kind's output tok/s by the wall and loaded (client.py's
+``loaded_tok_per_s``: each client's tokens over its own busy time, without the drain after the
+deadline), each a mean over every repeat of every server of that kind; then the patched kind
+divided by plain decoding and by each ``--against`` kind, on both figures; then the same ratio
+server by server (the first patched server over the first plain one, the second over the
+second); then the mean SM clock each server's levels ran at (client.py's ``"gpu"``), since a
+server that ran at lower clocks is not comparable. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from envelope_report import pooled, server_kind
+
+FIGURES = (("wall", "output_tok_per_s"), ("loaded", "loaded_tok_per_s"))
+
+
+def by_level(result: dict, key: str) -> dict[int, float]:
+    """Concurrency -> the mean of ``key`` over the levels that recorded it."""
+    values: dict[int, list[float]] = {}
+    for level in result.get("levels", []):
+        if key in level:
+            values.setdefault(int(level["concurrency"]), []).append(float(level[key]))
+    return {c: statistics.mean(v) for c, v in values.items()}
+
+
+def ratio(a: dict[int, float], b: dict[int, float], c: int) -> str:
+    return f"{a[c] / b[c]:.3f}" if c in a and c in b else "–"
+
+
+def speed_table(results: dict, kinds: list[str]) -> str:
+    kinds = [k for k in kinds if k in results]
+    levels = sorted({c for k in kinds for c in by_level(results[k], "output_tok_per_s")})
+    head = " | ".join(f"{k} {label}" for k in kinds for label, _ in FIGURES)
+    lines = [f"| c | {head} |", "|---" * (1 + 2 * len(kinds)) + "|"]
+    for c in levels:
+        cells = []
+        for k in kinds:
+            for _, key in FIGURES:
+                value = by_level(results[k], key).get(c)
+                cells.append("–" if value is None else f"{value:.1f}")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(results: dict, patched: str, others: list[str]) -> str:
+    others = [o for o in others if o in results]
+    if patched not in results or not others:
+        return ""
+    levels = sorted(by_level(results[patched], "output_tok_per_s"))
+    head = " | ".join(f"÷ {o} ({label})" for o in others for label, _ in FIGURES)
+    lines = [f"| c | {head} |", "|---" * (1 + 2 * len(others)) + "|"]
+    for c in levels:
+        cells = [ratio(by_level(results[patched], key), by_level(results[o], key), c)
+                 for o in others for _, key in FIGURES]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pairs_table(raw: dict, patched: str, plain: str) -> str:
+    """The patched servers over the plain ones in run order: first over first, second over
+    second (the ABAB pairs), by the loaded figure."""
+    mine = [n for n in raw if server_kind(n) == patched]
+    theirs = [n for n in raw if server_kind(n) == plain]
+    rows = []
+    for a, b in zip(mine, theirs, strict=False):
+        ours, base = by_level(raw[a], "loaded_tok_per_s"), by_level(raw[b], "loaded_tok_per_s")
+        cells = ", ".join(f"c = {c}: {ratio(ours, base, c)}" for c in sorted(ours) if c in base)
+        rows.append(f"| {a} ÷ {b} | {cells} |")
+    if not rows:
+        return ""
+    return "\n".join(["| pair | loaded ratio by concurrency |", "|---|---|", *rows])
+
+
+def clocks_table(raw: dict) -> str:
+    rows = []
+    for name, result in raw.items():
+        cells = []
+        for level in result.get("levels", []):
+            gpu = level.get("gpu")
+            if gpu:
+                cells.append(f"c{level['concurrency']}: {gpu['sm_mhz_mean']:.0f}"
+                             f" (≥ {gpu['sm_mhz_min']:.0f})")
+        if cells:
+            rows.append(f"| {name} | {'; '.join(cells)} |")
+    if not rows:
+        return ""
+    return "\n".join(["| server | SM MHz per level, mean (lowest) |", "|---|---|", *rows])
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("--patched", default="dyn-v2")
+    ap.add_argument("--plain", default="base")
+    ap.add_argument("--against", action="append", default=[])
+    a = ap.parse_args(argv)
+    raw = json.loads(Path(a.results).read_text())
+    results = pooled(raw)
+    kinds = [a.patched, a.plain, *a.against]
+    for part in (speed_table(results, kinds),
+                 ratio_table(results, a.patched, [a.plain, *a.against]),
+                 pairs_table(raw, a.patched, a.plain), clocks_table(raw)):
+        if part:
+            print(part, end="\n\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
