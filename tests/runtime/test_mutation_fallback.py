@@ -58,7 +58,7 @@ def test_a_switch_logs_the_steps_spent_in_the_mode_it_leaves():
         "[dynspec] spec -> fallback at decode bs=9 (threshold=4, resume_below=3, "
         "steps_in_prev_mode=2, switches=1, fallback_steps=0, spec_steps=0)",
         "[dynspec] fallback -> spec at decode bs=1 (threshold=4, resume_below=3, "
-        "steps_in_prev_mode=3, switches=2, fallback_steps=3, spec_steps=0)"]
+        "steps_in_prev_mode=4, switches=2, fallback_steps=4, spec_steps=0)"]
 
 
 def test_batches_without_the_optional_fields_are_judged_by_what_they_have():
