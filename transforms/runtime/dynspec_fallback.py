@@ -178,7 +178,8 @@ class DynSpecController:
 
     @property
     def min_fallback_batch_size(self) -> int:
-        """The smallest decode batch a fallback step can have."""
+        """The smallest decode batch a fallback step is sized for: a smaller one (only the steps
+        before speculation resumes have one) pads up to it."""
         return self.resume_below
 
     def decide(self, batch_size: int) -> bool:
