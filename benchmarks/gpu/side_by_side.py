@@ -11,8 +11,8 @@ Prints, per concurrency: each kind's output tok/s by the wall and loaded (client
 deadline), each a mean over every repeat of every server of that kind; then the patched kind
 divided by plain decoding and by each ``--against`` kind, on both figures; then the same ratio
 server by server (the first patched server over the first plain one, the second over the
-second); then the mean SM clock each server's levels ran at (client.py's ``"gpu"``), since a
-server that ran at lower clocks is not comparable. Standard library only.
+second); then each server's SM clock per level, mean and lowest (client.py's ``"gpu"``), since
+a server that ran at lower clocks is not comparable. Standard library only.
 """
 
 from __future__ import annotations
@@ -42,17 +42,19 @@ def ratio(a: dict[int, float], b: dict[int, float], c: int) -> str:
     return f"{a[c] / b[c]:.3f}" if c in a and c in b else "–"
 
 
+def figures(result: dict) -> list[dict[int, float]]:
+    """``by_level`` of each of FIGURES, in that order."""
+    return [by_level(result, key) for _, key in FIGURES]
+
+
 def speed_table(results: dict, kinds: list[str]) -> str:
     kinds = [k for k in kinds if k in results]
+    columns = [column for k in kinds for column in figures(results[k])]
     levels = sorted({c for k in kinds for c in by_level(results[k], "output_tok_per_s")})
     head = " | ".join(f"{k} {label}" for k in kinds for label, _ in FIGURES)
     lines = [f"| c | {head} |", "|---" * (1 + 2 * len(kinds)) + "|"]
     for c in levels:
-        cells = []
-        for k in kinds:
-            for _, key in FIGURES:
-                value = by_level(results[k], key).get(c)
-                cells.append("–" if value is None else f"{value:.1f}")
+        cells = ["–" if c not in column else f"{column[c]:.1f}" for column in columns]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -61,13 +63,13 @@ def ratio_table(results: dict, patched: str, others: list[str]) -> str:
     others = [o for o in others if o in results]
     if patched not in results or not others:
         return ""
-    levels = sorted(by_level(results[patched], "output_tok_per_s"))
+    ours = figures(results[patched])
+    pairs = [(mine, theirs) for o in others
+             for mine, theirs in zip(ours, figures(results[o]), strict=True)]
     head = " | ".join(f"÷ {o} ({label})" for o in others for label, _ in FIGURES)
     lines = [f"| c | {head} |", "|---" * (1 + 2 * len(others)) + "|"]
-    for c in levels:
-        cells = [ratio(by_level(results[patched], key), by_level(results[o], key), c)
-                 for o in others for _, key in FIGURES]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for c in sorted(ours[0]):
+        lines.append(f"| {c} | " + " | ".join(ratio(m, t, c) for m, t in pairs) + " |")
     return "\n".join(lines)
 
 

@@ -171,7 +171,7 @@ class DynSpecController:
         self.in_fallback = False
         # The first switch may happen at once: a burst at start-up needs no warm-up dwell.
         self.steps_in_mode = min_dwell_steps
-        self.small_steps_in_a_row = 0  # in fallback: decode steps at or below resume_below
+        self.small_steps_in_a_row = 0  # decode steps at or below resume_below, the newest last
         self.n_fallback_steps = 0
         self.n_spec_steps = 0
         self.n_switches = 0
@@ -184,9 +184,11 @@ class DynSpecController:
 
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
-        if self.in_fallback:  # a stretch starts on a big batch, so its count starts from 0
-            small = batch_size <= self.resume_below
-            self.small_steps_in_a_row = self.small_steps_in_a_row + 1 if small else 0
+        # Counted in both modes: the batch that enters fallback is above T, so every fallback
+        # stretch counts its small batches from 0.
+        small = batch_size <= self.resume_below
+        self.small_steps_in_a_row = self.small_steps_in_a_row + 1 if small else 0
+        if self.in_fallback:
             switch = self.small_steps_in_a_row >= self.min_dwell_steps
         else:
             switch = batch_size > self.threshold
