@@ -43,10 +43,12 @@ def _fresh_adapters():
 @pytest.fixture(autouse=True)
 def _opt_in_levers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The width-1 draft-extend and the start-up warm-up run by default only on SGLang's
-    <= 0.5.13 layout (``lever_on``); every stand-in test runs with both on, so the levers run
-    beside the rest on every layout. A test that wants them off sets the variable to "0"; the
+    <= 0.5.13 layout, the one-argmax sampling only where it has run on a GPU (``lever_on``);
+    every stand-in test runs with all three on, so the levers run beside the rest on every
+    layout. A test that wants them off sets the variable to "0"; the
     tests of the default (test_warmup.py) unset them."""
     from dynspec_patch.transforms.runtime import dynspec_fallback
 
     monkeypatch.setenv(dynspec_fallback.DRAFT_EXTEND_WIDTH1_ENV, "1")
     monkeypatch.setenv(dynspec_fallback.WARMUP_ENV, "1")
+    monkeypatch.setenv(dynspec_fallback.GREEDY_ARGMAX_ENV, "1")

@@ -4,7 +4,9 @@ When the decode batch is larger than ``--speculative-disable-batch-threshold T``
 worker runs one plain decode step instead of draft + verify. A fallback step is a *verify of a
 one-node tree* (root = last verified token, no drafts): the target runs in DECODE mode, SGLang's
 own verify/sample does the bookkeeping (v1 on 0.5.12.post1's verify() loop: on write-only steps
-of greedy batches the same bookkeeping for one token without verify(), ``_v1_one_token_verify``),
+of greedy batches the same bookkeeping for one token without verify(), ``_v1_one_token_verify``;
+v2, where ``GREEDY_ARGMAX_ENV`` or ``GREEDY_ARGMAX_RELEASES`` turns it on: greedy batches take
+the argmax alone, ``GreedyArgmax``, once checked against SGLang's sampler),
 and the worker's own draft-extend keeps the draft KV warm
 (by default on ``GPU_PROVEN_RELEASES``, v2 and v1 alike: ``DraftKvWrite`` stores the draft's K
 and V alone, checked once against it).
@@ -1453,6 +1455,9 @@ class Adapter:
     # (``one_token_verify``), and why or why not.
     one_token_verify: bool = False
     one_token_verify_note: str = ""
+    # v2: greedy fallback steps sample by one argmax (None: SGLang's sampler), and why.
+    greedy_argmax: GreedyArgmax | None = None
+    greedy_argmax_note: str = ""
     # v2: the last decode step handed on a stale draft state (a draft KV write step): the next
     # speculative step must wait for a fallback step that runs SGLang's draft-extend.
     draft_state_stale: bool = False
@@ -1808,6 +1813,8 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     _prepare_draft_kv_write(adapter, worker)
     if variant == "v1":
         _prepare_one_token_verify(adapter, worker)
+    else:
+        _prepare_greedy_argmax(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
     return adapter
@@ -3551,13 +3558,23 @@ def _one_token_verify_applies(adapter: Adapter, batch: Any) -> bool:
     step runs SGLang's verify()."""
     if not adapter.one_token_verify or not adapter.draft_kv_write.checked:
         return False
+    return samples_by_argmax(batch) and not batch.return_logprob
+
+
+def samples_by_argmax(batch: Any) -> bool:
+    """Whether SGLang's sampling of a one-node tree for ``batch`` is one argmax over the
+    target's logits: every request greedy, and nothing that changes the logits first (no
+    penalties, accumulated or not, no logit bias, custom logit processor or grammar). A
+    sampling-info field a release does not have counts as set, so such a release never
+    qualifies on a guess."""
     info = batch.sampling_info
     return (
         bool(info.is_all_greedy)
         and not info.penalizer_orchestrator.is_required
-        and getattr(info, "logit_bias", True) is None  # a release without the field: no
+        and getattr(info, "logit_bias", True) is None
+        and getattr(info, "acc_additive_penalties", None) is None
+        and getattr(info, "acc_scaling_penalties", None) is None
         and not getattr(info, "has_custom_logit_processor", True)
-        and not batch.return_logprob
         and not _has_grammar(batch)
     )
 
@@ -3609,6 +3626,91 @@ def _v1_one_token_verify(adapter: Adapter, batch: Any, tokens: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # v2: EAGLEWorkerV2 (0.5.4 - 0.5.23)
 # --------------------------------------------------------------------------------------------
+
+
+# "0" / "1": greedy v2 fallback steps sample through SGLang's sampler / by one argmax;
+# unset: the argmax where it has run on a GPU (``lever_on``).
+GREEDY_ARGMAX_ENV = "DYNSPEC_GREEDY_ARGMAX"
+GREEDY_ARGMAX_RELEASES: tuple[str, ...] = ()
+# SGLang's sampler does more than the argmax while one of these is set (a truthy value).
+GREEDY_ARGMAX_REFUSING_ENVS = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SANITIZE_NAN_LOGITS")
+
+
+@dataclass
+class GreedyArgmax:
+    """A greedy fallback step's tokens by one argmax over the target's logits.
+
+    For a batch that ``samples_by_argmax``, SGLang's sampler of a one-node tree returns the
+    argmax and the same accept length for every request, after a verify input and a tree
+    kernel that cost a dozen small kernels per step; plain decoding's sampler takes the
+    argmax alone. ``accept_len`` is what the release's sampler reported on the first such
+    step, which also compared its tokens with the argmax (``matches``); until then every step
+    runs the sampler, and a difference (``broken``) keeps it for the rest of the process.
+    """
+
+    accept_len: int | None = None
+    broken: str = ""
+
+    @property
+    def checked(self) -> bool:
+        return self.accept_len is not None
+
+    def sample(self, logits: Any) -> tuple[Any, Any]:
+        """(tokens, accept lengths) as the release's sampler returns them, by one argmax."""
+        import torch
+
+        predict = torch.argmax(logits, dim=-1).to(torch.int32)
+        accept_lens = torch.full_like(predict, int(self.accept_len or 0))
+        return predict, accept_lens
+
+    @staticmethod
+    def matches(logits: Any, predict: Any, accept_lens: Any) -> tuple[int | None, str]:
+        """The sampler's accept length where its ``predict`` is the argmax of ``logits`` in
+        the argmax's dtype and shape and every request's ``accept_lens`` is the same (else
+        None), and what was compared. One host sync."""
+        import torch
+
+        mine = torch.argmax(logits, dim=-1).to(torch.int32)
+        if predict.dtype != mine.dtype or predict.shape != mine.shape:
+            shape = tuple(predict.shape)
+            return None, f"tokens {predict.dtype} {shape}, argmax {tuple(mine.shape)}"
+        if accept_lens.dtype != mine.dtype or accept_lens.shape != mine.shape:
+            return None, f"accept lengths {accept_lens.dtype} {tuple(accept_lens.shape)}"
+        differ = int((predict != mine).sum())
+        lengths = sorted(set(accept_lens.tolist()))
+        if differ or len(lengths) != 1:
+            return None, f"{differ} of {mine.shape[0]} tokens differ, accept lengths {lengths}"
+        return lengths[0], f"{mine.shape[0]} tokens equal, accept length {lengths[0]}"
+
+
+def _greedy_argmax_refusal() -> str:
+    """Why SGLang's sampler does more than the argmax in this process, or ""."""
+    for name in GREEDY_ARGMAX_REFUSING_ENVS:
+        value = os.environ.get(name, "").strip().lower()
+        if value not in ("", "0", "false", "no", "off"):
+            return f"{name}={value}"
+    return ""
+
+
+def _prepare_greedy_argmax(adapter: Adapter, worker: Any) -> None:
+    """Whether greedy v2 fallback steps sample by one argmax, once per process."""
+    proven = on_gpu_proven_release(adapter, GREEDY_ARGMAX_RELEASES)
+    if not lever_on(GREEDY_ARGMAX_ENV, proven):
+        where = ", ".join(GREEDY_ARGMAX_RELEASES) or "no release yet"
+        adapter.greedy_argmax_note = (
+            f"SGLang's sampler ({GREEDY_ARGMAX_ENV}=1 turns the argmax on; by default only "
+            f"where it has run on a GPU: {where})"
+        )
+        return
+    why = _greedy_argmax_refusal()
+    if why:
+        adapter.greedy_argmax_note = f"SGLang's sampler ({why})"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] one-argmax sampling not used: {why}; fallback steps run SGLang's sampler"
+        )
+        return
+    adapter.greedy_argmax = GreedyArgmax()
+    adapter.greedy_argmax_note = "one argmax on greedy steps, once checked against the sampler"
 
 
 def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
@@ -3704,10 +3806,10 @@ def _v2_step(
     logits_output, can_run_graph = _target_decode(adapter, decode_batch, worker.target_worker)
     adapter.profiler.mark("target")
 
-    # 2) grammar mask + sampling through a one-node verify input (accept_lens == 1)
-    vi = _one_node_verify_input(adapter, root, batch, seq_lens_cpu)
+    # 2) sampling: one argmax for a greedy batch (once checked), else a one-node verify input
+    #    through the release's sampler, grammar mask included
     batch.input_ids = root  # as SGLang's verify does (input = the tree); sample() reads it
-    predict, accept_lens = _v2_sample(adapter, vi, batch, logits_output, grammar_barrier)
+    predict, accept_lens = _v2_tokens(worker, adapter, root, batch, logits_output, grammar_barrier)
     adapter.profiler.mark("sample")
 
     # 3) the result, padded to the stride N where the scheduler reads the worker's stride (or
@@ -3927,6 +4029,63 @@ def _draft_extend_width1_step(
         )
         return False
     return True
+
+
+def _v2_tokens(
+    worker: Any,
+    adapter: Adapter,
+    root: Any,
+    batch: Any,
+    logits_output: Any,
+    grammar_barrier: Any,
+) -> tuple[Any, Any]:
+    """(predict, accept_lens) of a fallback step: one argmax where ``GreedyArgmax`` is on,
+    checked and the batch ``samples_by_argmax``; else SGLang's sampler over a one-node tree,
+    whose first greedy step checks the argmax."""
+    greedy = adapter.greedy_argmax
+    if greedy is not None and (greedy.broken or not samples_by_argmax(batch)):
+        greedy = None
+    if greedy is not None and greedy.checked:
+        return greedy.sample(logits_output.next_token_logits)
+    vi = _one_node_verify_input(adapter, root, batch, getattr(batch, "seq_lens_cpu", None))
+    predict, accept_lens = _v2_sample(adapter, vi, batch, logits_output, grammar_barrier)
+    if greedy is not None:
+        _check_greedy_argmax(worker, adapter, greedy, logits_output, predict, accept_lens)
+    return predict, accept_lens
+
+
+def _check_greedy_argmax(
+    worker: Any,
+    adapter: Adapter,
+    greedy: GreedyArgmax,
+    logits_output: Any,
+    predict: Any,
+    accept_lens: Any,
+) -> None:
+    """Compare the argmax with what SGLang's sampler just returned (once; one host sync and,
+    with TP, one CPU all-reduce); every rank keeps or drops it together."""
+    try:
+        accept_len, detail = greedy.matches(logits_output.next_token_logits, predict, accept_lens)
+    except Exception as exc:  # cannot compare: keep the sampler
+        accept_len, detail = None, f"comparing raised {type(exc).__name__}: {exc}"
+    ok = _all_ranks_agree(adapter.tp_group(worker), accept_len is not None)
+    if accept_len is not None and not ok:
+        detail = f"{detail}; another TP rank's differed"
+    bs = int(predict.shape[0])
+    if ok:
+        greedy.accept_len = accept_len
+        adapter.greedy_argmax_note = f"one argmax on greedy steps (checked at bs {bs}: {detail})"
+        _rank0_logger(worker)(
+            f"[dynspec] greedy fallback steps sample by one argmax: it matches SGLang's sampler "
+            f"at bs={bs} ({detail})"
+        )
+        return
+    greedy.broken = detail
+    adapter.greedy_argmax_note = f"SGLang's sampler (the argmax differed: {detail})"
+    _rank0_logger(worker, logging.WARNING)(
+        f"[dynspec] one argmax differs from SGLang's sampler at bs={bs} ({detail}); "
+        "fallback steps keep SGLang's sampler"
+    )
 
 
 def _v2_sample(
