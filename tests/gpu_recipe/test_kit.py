@@ -174,10 +174,14 @@ class SweepStub(JsonHandler):
     """A stand-in SGLang server for client.py and profile_steps.py: /generate answers after a
     short delay with max_new_tokens ids, /start_profile writes a canned GPU trace (or none)."""
 
+    protocol_version = "HTTP/1.1"  # keeps a connection open across requests, as uvicorn does
+    timeout = 0.3  # and closes one that idles this long, as uvicorn's keep-alive timeout does
+    disable_nagle_algorithm = True  # as asyncio's transports (uvicorn's) do
     write_trace = True
     kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
     slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
     flushes: ClassVar[list[float]] = []  # when each /flush_cache came (time.time())
+    generate_ports: ClassVar[list[int]] = []  # the client port of each /generate
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
@@ -200,11 +204,14 @@ class SweepStub(JsonHandler):
                     json.dump({"traceEvents": events}, f)
             self._reply({"success": True})
             return
+        self.generate_ports.append(self.client_address[1])
         ids = body["input_ids"]
-        time.sleep(0.06 if ids[0] % 2 == self.slow_parity else 0.02)
+        delay = 0.06 if ids[0] % 2 == self.slow_parity else 0.02
+        time.sleep(delay)
         n = body["sampling_params"]["max_new_tokens"]
         output = [ids[i % len(ids)] for i in range(n)] if self.slow_parity is not None else [5] * n
-        self._reply({"output_ids": output, "meta_info": {"completion_tokens": n}})
+        meta = {"completion_tokens": n, "e2e_latency": delay}
+        self._reply({"output_ids": output, "meta_info": meta})
 
 
 @pytest.fixture
@@ -214,6 +221,7 @@ def stub_url() -> Iterator[str]:
     SweepStub.write_trace = True
     SweepStub.slow_parity = None
     SweepStub.flushes.clear()
+    SweepStub.generate_ports.clear()
 
 
 def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
@@ -234,6 +242,10 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         assert d["output_tokens"] == 8 * d["requests"]
         # each client's rate over its own requests (>= 20 ms each), summed
         assert d["output_tok_per_s"] <= d["loaded_tok_per_s"] <= d["concurrency"] * 8 / 0.02
+        # by the server's own 20 ms per request, without HTTP and the client
+        assert d["server_tok_per_s"] == pytest.approx(d["concurrency"] * 8 / 0.02)
+        assert d["server_tok_per_s"] > d["loaded_tok_per_s"]
+        assert 0 < d["mean_outside_server_ms"] < 20
         assert d["cache_flushed"] is True
         assert "gpu" in d  # None where no nvidia-smi answers
     # the radix cache was emptied once before each level, before its first request
@@ -248,6 +260,36 @@ def test_the_loaded_rate_is_each_clients_tokens_over_its_busy_time():
     fast = [({"meta_info": {"completion_tokens": 8}}, 0.1)] * 2
     slow = [({"output_ids": [1] * 8}, 0.35)]
     assert client.loaded_rate([fast, slow, []]) == pytest.approx(16 / 0.2 + 8 / 0.35)
+
+
+def test_the_server_rate_is_each_clients_tokens_over_the_servers_times():
+    import client
+
+    fast = [({"meta_info": {"completion_tokens": 8, "e2e_latency": 0.08}}, 0.1)] * 2
+    slow = [({"meta_info": {"completion_tokens": 8, "e2e_latency": 0.3}}, 0.35)]
+    assert client.server_rate([fast, slow, []]) == pytest.approx(16 / 0.16 + 8 / 0.3)
+    assert client.server_rate([fast, [({"output_ids": [1]}, 0.1)]]) is None  # no server time
+
+
+def test_each_client_thread_keeps_one_connection(stub_url, tmp_path):
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
+           "--levels", "2", "--greedy", "1", "--olen", "8", "--duration", "0.5"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    ports = SweepStub.generate_ports
+    assert len(ports) >= 4 + 1 + 2 * 10  # warm-up, greedy, a 0.5 s level of 2 clients
+    assert len(set(ports)) <= 4 + 1 + 2  # one connection per thread
+
+
+def test_a_connection_the_server_closed_while_idle_is_opened_again(stub_url):
+    import client
+
+    client.a = client.parse([stub_url, "unused.json", "s"])
+    body = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2}}
+    assert client.post("/generate", body)["output_ids"] == [5, 5]
+    time.sleep(3 * SweepStub.timeout)  # the stub has closed the connection by now
+    assert client.post("/generate", body)["output_ids"] == [5, 5]
+    assert len(set(SweepStub.generate_ports)) == 2
 
 
 def test_greedy_outputs_under_load_are_kept_by_prompt(stub_url, tmp_path):

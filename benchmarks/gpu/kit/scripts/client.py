@@ -11,18 +11,27 @@
 # for a closed loop). After the deadline fewer and fewer requests run, and how long that drain
 # lasts depends on how far the clients' requests have drifted apart, not on the server's speed:
 # a level of 510 requests (2 clients a wave behind) ran 10 % longer by the wall than one of 512.
+# Beside it, server_tok_per_s: the same sum over each client's server-side times (SGLang's
+# meta_info e2e_latency, from the request's arrival in the tokenizer manager to its last token),
+# and mean_outside_server_ms, the mean of latency - e2e_latency: HTTP, the response's JSON, this
+# client. On an H200 that time varied from 29 to 137 ms per request between repeats of one level
+# (2026-12-04), on every kind of server, as much as the patch's whole effect. Each client thread
+# keeps one HTTP/1.1 connection open across its requests, as serving clients do, instead of one
+# TCP connection per request.
 # Before each level the server's radix cache is emptied (--keep-cache: not), as envelope.py does:
 # a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
 # starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
 # the GPU's clocks (gpu_sampler.py; None without nvidia-smi).
 import argparse
+import http.client
 import json
 import random
 import statistics
 import sys
+import threading
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import server_info  # beside this script
@@ -36,12 +45,44 @@ def prompts(seed, n):
     return [[r.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(n)]
 
 
-def post(path, body, timeout=None):
-    req = urllib.request.Request(
-        a.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout or a.timeout) as r:
-        return json.loads(r.read())
+_connections = threading.local()  # each thread's open connection to the server
+
+
+def post(path, body):
+    """POST ``body`` as JSON on this thread's connection; the decoded answer. A connection the
+    server closed while it idled (its keep-alive timeout) is opened again at once."""
+    reused = getattr(_connections, "conn", None) is not None
+    try:
+        return _post_once(path, body)
+    except (http.client.RemoteDisconnected, BrokenPipeError):
+        if not reused:
+            raise
+        return _post_once(path, body)
+
+
+def _post_once(path, body):
+    """One POST on this thread's connection, opened on first use and closed on any error; a
+    status other than 200 raises urllib's HTTPError."""
+    conn = getattr(_connections, "conn", None)
+    if conn is None:
+        url = urllib.parse.urlsplit(a.url)
+        conn = _connections.conn = http.client.HTTPConnection(
+            url.hostname, url.port, timeout=a.timeout
+        )
+    try:
+        conn.request(
+            "POST", path, body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        r = conn.getresponse()
+        data = r.read()
+    except Exception:
+        conn.close()
+        _connections.conn = None
+        raise
+    if r.status != 200:
+        raise urllib.error.HTTPError(a.url + path, r.status, r.reason, r.headers, None)
+    return json.loads(data)
 
 
 def gen(ids, olen=None):
@@ -62,7 +103,7 @@ def gen(ids, olen=None):
             if isinstance(r, list):
                 r = r[0]
             return r, time.perf_counter() - t
-        except (ConnectionError, urllib.error.URLError) as e:
+        except (ConnectionError, http.client.HTTPException, urllib.error.URLError) as e:
             err = e
             time.sleep(0.5)
     raise err
@@ -79,9 +120,9 @@ def run_for(seed, conc, duration):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
-    pool by prompt index, loaded tokens/s). Client k sends prompts k, k + conc, ...: how many
-    each one finishes depends on the server's timing, so outputs are compared by prompt, never
-    by position in the results."""
+    pool by prompt index, loaded tokens/s, the same by the server's times). Client k sends
+    prompts k, k + conc, ...: how many each one finishes depends on the server's timing, so
+    outputs are compared by prompt, never by position in the results."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
@@ -99,7 +140,7 @@ def run_for(seed, conc, duration):
     with ThreadPoolExecutor(conc) as ex:
         parts = list(ex.map(client, range(conc)))
     res = [r for part in parts for r in part]
-    return res, time.perf_counter() - t0, by_prompt, loaded_rate(parts)
+    return res, time.perf_counter() - t0, by_prompt, loaded_rate(parts), server_rate(parts)
 
 
 def tokens(result):
@@ -111,6 +152,21 @@ def loaded_rate(parts):
     """Sum over the clients of each one's tokens / its busy time (the latencies of its requests,
     back to back): the server's rate at full concurrency, without the drain after the deadline."""
     return sum(sum(map(tokens, part)) / sum(lat for _, lat in part) for part in parts if part)
+
+
+def server_time(result):
+    """The server's own time for a request (meta_info e2e_latency), None where it has none."""
+    return result[0].get("meta_info", {}).get("e2e_latency") or None
+
+
+def server_rate(parts):
+    """``loaded_rate`` by the server's times instead of the client's latencies: what the
+    server did while busy, without the time a request spent in HTTP and in this client. None
+    where a request has no server time."""
+    times = [server_time(r) for part in parts for r in part]
+    if not times or None in times:
+        return None
+    return sum(sum(map(tokens, part)) / sum(map(server_time, part)) for part in parts if part)
 
 
 def summarize(res, wall, conc):
@@ -130,6 +186,9 @@ def summarize(res, wall, conc):
         mean_tpot_ms=round(statistics.mean(tpot), 3),
         mean_server_e2e_s=round(statistics.mean([m.get("e2e_latency", 0) or 0 for m in mi]), 3),
     )
+    outside = [r[1] - server_time(r) for r in res if server_time(r) is not None]
+    if outside:
+        d["mean_outside_server_ms"] = round(1000 * statistics.mean(outside), 1)
     acc = [m["spec_accept_length"] for m in mi if m.get("spec_accept_length") is not None]
     vct = [m["spec_verify_ct"] for m in mi if m.get("spec_verify_ct") is not None]
     if acc:
@@ -200,7 +259,9 @@ def main(argv):
         try:
             with GpuSampler() as gpu:
                 if a.duration > 0:
-                    res, wall, by_prompt, loaded = run_for(1000 + c + 7919 * rep, c, a.duration)
+                    res, wall, by_prompt, loaded, served = run_for(
+                        1000 + c + 7919 * rep, c, a.duration
+                    )
                     firsts = [by_prompt.get(i) for i in range(min(16, c))]
                 else:
                     res, wall = run(prompts(1000 + c, n), c)
@@ -210,6 +271,7 @@ def main(argv):
             if a.duration > 0:
                 d["duration_s"] = a.duration
                 d["loaded_tok_per_s"] = round(loaded, 1)
+                d["server_tok_per_s"] = None if served is None else round(served, 1)
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
             if rep == 0 and c == max(
