@@ -3568,9 +3568,13 @@ def samples_by_argmax(batch: Any) -> bool:
     sampling-info field a release does not have counts as set, so such a release never
     qualifies on a guess."""
     info = batch.sampling_info
+    # The overlap scheduler hands the worker a copy whose orchestrator is None and whose
+    # penalties are accumulated into acc_* (SamplingBatchInfo.copy_for_forward).
+    orchestrator = getattr(info, "penalizer_orchestrator", info)
     return (
         bool(info.is_all_greedy)
-        and not info.penalizer_orchestrator.is_required
+        and orchestrator is not info
+        and not (orchestrator is not None and orchestrator.is_required)
         and getattr(info, "logit_bias", True) is None
         and getattr(info, "acc_additive_penalties", None) is None
         and getattr(info, "acc_scaling_penalties", None) is None
