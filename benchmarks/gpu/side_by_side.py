@@ -6,10 +6,12 @@ usage: python benchmarks/gpu/side_by_side.py RESULTS_JSON [--patched dyn-v2] [--
                 further server of a kind (NAME@N) counts as more repeats of it, so servers run
                 in alternating order (dyn-v2, base, ..., dyn-v2@2, base@2) pool into one mean
 
-Prints, per concurrency: each kind's output tok/s by the wall and loaded (client.py's
+Prints, per concurrency: each kind's output tok/s by the wall, loaded (client.py's
 ``loaded_tok_per_s``: each client's tokens over its own busy time, without the drain after the
-deadline), each a mean over every repeat of every server of that kind; then the patched kind
-divided by plain decoding and by each ``--against`` kind, on both figures; then the same ratio
+deadline) and by the server's own times (``server_tok_per_s``: the same over SGLang's
+e2e_latency, without HTTP and the client; "–" for results that lack it), each a mean over every
+repeat of every server of that kind; then the patched kind divided by plain decoding and by
+each ``--against`` kind, on every figure; then the same ratio
 server by server (the first patched server over the first plain one, the second over the
 second); then each server's SM clock per level, mean and lowest (client.py's ``"gpu"``), since
 a server that ran at lower clocks is not comparable. Standard library only.
@@ -26,14 +28,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from envelope_report import pooled, server_kind
 
-FIGURES = (("wall", "output_tok_per_s"), ("loaded", "loaded_tok_per_s"))
+FIGURES = (
+    ("wall", "output_tok_per_s"),
+    ("loaded", "loaded_tok_per_s"),
+    ("server", "server_tok_per_s"),
+)
 
 
 def by_level(result: dict, key: str) -> dict[int, float]:
     """Concurrency -> the mean of ``key`` over the levels that recorded it."""
     values: dict[int, list[float]] = {}
     for level in result.get("levels", []):
-        if key in level:
+        if level.get(key) is not None:
             values.setdefault(int(level["concurrency"]), []).append(float(level[key]))
     return {c: statistics.mean(v) for c, v in values.items()}
 
@@ -52,7 +58,7 @@ def speed_table(results: dict, kinds: list[str]) -> str:
     columns = [column for k in kinds for column in figures(results[k])]
     levels = sorted({c for k in kinds for c in by_level(results[k], "output_tok_per_s")})
     head = " | ".join(f"{k} {label}" for k in kinds for label, _ in FIGURES)
-    lines = [f"| c | {head} |", "|---" * (1 + 2 * len(kinds)) + "|"]
+    lines = [f"| c | {head} |", "|---" * (1 + len(FIGURES) * len(kinds)) + "|"]
     for c in levels:
         cells = ["–" if c not in column else f"{column[c]:.1f}" for column in columns]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -67,7 +73,7 @@ def ratio_table(results: dict, patched: str, others: list[str]) -> str:
     pairs = [(mine, theirs) for o in others
              for mine, theirs in zip(ours, figures(results[o]), strict=True)]
     head = " | ".join(f"÷ {o} ({label})" for o in others for label, _ in FIGURES)
-    lines = [f"| c | {head} |", "|---" * (1 + 2 * len(others)) + "|"]
+    lines = [f"| c | {head} |", "|---" * (1 + len(FIGURES) * len(others)) + "|"]
     for c in sorted(ours[0]):
         lines.append(f"| {c} | " + " | ".join(ratio(m, t, c) for m, t in pairs) + " |")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""benchmarks/gpu/side_by_side.py: ABAB servers pool into one mean per kind; ratios on both
-figures; the pairs in run order; clocks per level."""
+"""benchmarks/gpu/side_by_side.py: ABAB servers pool into one mean per kind; ratios on every
+figure; the pairs in run order; clocks per level."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from pathlib import Path
 GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 
 
-def level(c: int, wall: float, loaded: float, sm: float | None = None) -> dict:
+def level(c: int, wall: float, loaded: float, sm: float | None = None,
+          server: float | None = None) -> dict:
     gpu = {"sm_mhz_mean": sm, "sm_mhz_min": sm - 100} if sm else None
-    return {"concurrency": c, "output_tok_per_s": wall, "loaded_tok_per_s": loaded, "gpu": gpu}
+    return {"concurrency": c, "output_tok_per_s": wall, "loaded_tok_per_s": loaded, "gpu": gpu,
+            "server_tok_per_s": server}
 
 
 def run(tmp_path: Path, results: dict, *args: str) -> str:
@@ -25,15 +27,15 @@ def run(tmp_path: Path, results: dict, *args: str) -> str:
 
 def test_further_servers_pool_and_every_ratio_is_on_both_figures(tmp_path):
     results = {
-        "dyn-v2": {"levels": [level(64, 90, 95, 1950), level(64, 80, 85)]},
-        "base": {"levels": [level(64, 100, 100, 1980)]},
-        "dyn-v2@2": {"levels": [level(64, 70, 80)]},  # pooled: wall 80, loaded 86.667
-        "base@2": {"levels": [level(64, 100, 100)]},
-        "eagle-v2": {"levels": [level(64, 20, 40)]},
+        "dyn-v2": {"levels": [level(64, 90, 95, 1950, 99), level(64, 80, 85, server=97)]},
+        "base": {"levels": [level(64, 100, 100, 1980, 110)]},
+        "dyn-v2@2": {"levels": [level(64, 70, 80, server=92)]},  # pooled: 80, 86.667, 96
+        "base@2": {"levels": [level(64, 100, 100, server=130)]},
+        "eagle-v2": {"levels": [level(64, 20, 40)]},  # an older result: no server figure
     }
     out = run(tmp_path, results, "--against", "eagle-v2")
-    assert "| 64 | 80.0 | 86.7 | 100.0 | 100.0 | 20.0 | 40.0 |" in out
-    assert "| 64 | 0.800 | 0.867 | 4.000 | 2.167 |" in out
+    assert "| 64 | 80.0 | 86.7 | 96.0 | 100.0 | 100.0 | 120.0 | 20.0 | 40.0 | – |" in out
+    assert "| 64 | 0.800 | 0.867 | 0.800 | 4.000 | 2.167 | – |" in out
     # pairs in run order, by the loaded figure: (95 + 85) / 2 / 100 and 80 / 100
     assert "| dyn-v2 ÷ base | c = 64: 0.900 |" in out
     assert "| dyn-v2@2 ÷ base@2 | c = 64: 0.800 |" in out
@@ -45,4 +47,4 @@ def test_a_kind_that_did_not_run_is_left_out(tmp_path):
     results = {"dyn-v2": {"levels": [level(1, 10, 10)]}, "base": {"levels": [level(1, 20, 20)]}}
     out = run(tmp_path, results, "--against", "native-v2")
     assert "native-v2" not in out
-    assert "| 1 | 0.500 | 0.500 |" in out
+    assert "| 1 | 0.500 | 0.500 | – |" in out

@@ -211,3 +211,25 @@ def test_on_by_default_where_it_has_run_on_a_gpu(shapes, monkeypatch):
     step(world)
     step(world)
     assert samples(world) == 1
+
+
+def test_the_overlap_schedulers_copy_has_no_orchestrator_and_its_penalties_in_acc(shapes):
+    """SamplingBatchInfo.copy_for_forward (the overlap scheduler's) sets the orchestrator to
+    None and accumulates penalties into acc_*; an H200 run crashed reading None.is_required."""
+    world = make_world(shapes["0.5.17"])
+    step(world, penalizer_orchestrator=None)  # checked
+    step(world, penalizer_orchestrator=None)
+    assert samples(world) == 1
+    step(world, penalizer_orchestrator=None, acc_additive_penalties="penalties")
+    assert samples(world) == 2
+
+
+def test_a_sampling_info_without_an_orchestrator_field_keeps_the_sampler(shapes):
+    from tests.runtime.standins import new_decode_batch
+
+    world = make_world(shapes["0.5.17"])
+    step(world)  # checked
+    batch = new_decode_batch(world, 3, 10)
+    del batch.sampling_info.penalizer_orchestrator
+    dyn.maybe_fallback_v2(world.worker, batch)
+    assert samples(world) == 2

@@ -13,7 +13,9 @@
 #   base | base-v1 | eagle-v2 | dyn-v2 | dyn-v2-eager | eagle-v1 | dyn-v1 | dyn-v1-eager | native-v2
 #       speed sweep, Llama-3.1-8B shape, random (dummy) weights; *-v1: --disable-overlap-schedule
 #       (base-v1: plain decoding under v1's scheduler, v1's like-for-like baseline);
-#       dyn-*: patched overlay + --speculative-disable-batch-threshold T, DYNSPEC_PROFILE=200;
+#       dyn-*: patched overlay + --speculative-disable-batch-threshold T (STEP_PROFILE=N:
+#       DYNSPEC_PROFILE=N, the per-phase breakdown every N fallback steps, whose CUDA events cost
+#       0.3-0.8 % of throughput at c >= 64 on an H200, 2026-12-04: off unless asked for);
 #       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before);
 #       native-v2 (0.5.14+): pristine tree + the flags `dynspec-patch apply --route native` gives
 #       (SGLang's own --speculative-adaptive with a steps-0 config above T)
@@ -149,7 +151,8 @@ session)
         [ ${#nflags[@]} -gt 0 ] || { echo "[$V] no native flags in $WORK/native.json"; continue; }
         spec+=("${nflags[@]}");;
       *dyn-v2*|*dyn-v1*)
-        path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$T"); envs+=(DYNSPEC_PROFILE=200)
+        path="$hook$DYN:$SITE"; spec+=(--speculative-disable-batch-threshold "$T")
+        [ -n "${STEP_PROFILE:-}" ] && envs+=(DYNSPEC_PROFILE="$STEP_PROFILE")
         [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV})
         case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
         case "$KIND" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac;;
