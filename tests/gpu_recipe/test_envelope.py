@@ -77,7 +77,8 @@ class CraftedStub(JsonHandler):
         with self.lock:
             self.in_flight.remove(crafted.region_of(ids[0]))
         self._reply({"output_ids": out[:n],
-                     "meta_info": {"completion_tokens": n, "spec_accept_length": ACCEPT[region]}})
+                     "meta_info": {"completion_tokens": n, "spec_accept_length": ACCEPT[region],
+                                   "e2e_latency": 0.01}})
 
 
 @pytest.fixture
@@ -113,6 +114,7 @@ def test_every_region_and_level_is_a_closed_loop_with_checked_outputs(crafted_ur
         # many fit in 0.3 s depends on the machine's load, so no count is asserted)
         assert d["requests"] > d["concurrency"], d
         assert d["output_tokens"] == 8 * d["requests"]
+        assert 0 < d["mean_outside_server_ms"] < 1000 * d["mean_latency_s"]  # beyond e2e
     by_region = {d["region"]: d["mean_spec_accept_length"] for d in result["levels"]}
     assert by_region["accept0"] == 1.0 and by_region["accept90"] == 3.5
     assert 1.0 < by_region["mix"] < 3.5  # the mix's requests come from every region

@@ -28,14 +28,13 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 import urllib.error
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import server_info  # beside this script
 from gpu_sampler import GpuSampler
+from keepalive import post_json
 
 a = None  # the parsed arguments (main)
 
@@ -45,44 +44,8 @@ def prompts(seed, n):
     return [[r.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(n)]
 
 
-_connections = threading.local()  # each thread's open connection to the server
-
-
 def post(path, body):
-    """POST ``body`` as JSON on this thread's connection; the decoded answer. A connection the
-    server closed while it idled (its keep-alive timeout) is opened again at once."""
-    reused = getattr(_connections, "conn", None) is not None
-    try:
-        return _post_once(path, body)
-    except (http.client.RemoteDisconnected, BrokenPipeError):
-        if not reused:
-            raise
-        return _post_once(path, body)
-
-
-def _post_once(path, body):
-    """One POST on this thread's connection, opened on first use and closed on any error; a
-    status other than 200 raises urllib's HTTPError."""
-    conn = getattr(_connections, "conn", None)
-    if conn is None:
-        url = urllib.parse.urlsplit(a.url)
-        conn = _connections.conn = http.client.HTTPConnection(
-            url.hostname, url.port, timeout=a.timeout
-        )
-    try:
-        conn.request(
-            "POST", path, body=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        r = conn.getresponse()
-        data = r.read()
-    except Exception:
-        conn.close()
-        _connections.conn = None
-        raise
-    if r.status != 200:
-        raise urllib.error.HTTPError(a.url + path, r.status, r.reason, r.headers, None)
-    return json.loads(data)
+    return post_json(a.url, path, body, a.timeout)
 
 
 def gen(ids, olen=None):

@@ -36,20 +36,20 @@ the server log's switch lines show how long after a load change the controller s
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crafted
 import server_info
 from gpu_sampler import GpuSampler
+from keepalive import post_json
 
 MIX = "mix"
 REGION_NAMES = tuple(name for name, _ in crafted.REGIONS)
@@ -127,22 +127,22 @@ class Sweep:
             "sampling_params": {"max_new_tokens": olen, "temperature": 0,
                                 "ignore_eos": True},
         }
-        req = urllib.request.Request(self.a.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         t = time.perf_counter()
         try:
-            with urllib.request.urlopen(req, timeout=self.a.timeout) as r:
-                out = json.loads(r.read())
-        except (OSError, ValueError) as exc:  # URLError, a reset, a bad body
+            out = post_json(self.a.url, "/generate", body, self.a.timeout)
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # a reset, a bad body
             return {"error": repr(exc)}
+        latency = time.perf_counter() - t
         out = out[0] if isinstance(out, list) else out
         got = out.get("output_ids") or []
         meta = out.get("meta_info") or {}
+        e2e = meta.get("e2e_latency")
         return {
-            "latency_s": time.perf_counter() - t,
+            "latency_s": latency,
             "tokens": meta.get("completion_tokens", len(got)),
             "mismatched": got != crafted.expected_continuation(ids, olen),
             "accept_length": meta.get("spec_accept_length"),
+            "outside_server_s": None if e2e is None else latency - e2e,
         }
 
     def level(self, region: str, conc: int, seed: int) -> dict:
@@ -182,6 +182,9 @@ def summarize(res: list[dict], wall: float, conc: int) -> dict:
     acc = [r["accept_length"] for r in ok if r["accept_length"] is not None]
     if acc:
         d["mean_spec_accept_length"] = round(statistics.mean(acc), 3)
+    outside = [r["outside_server_s"] for r in ok if r["outside_server_s"] is not None]
+    if outside:  # HTTP, JSON and this client: the same code on every server
+        d["mean_outside_server_ms"] = round(1000 * statistics.mean(outside), 1)
     errors = [r["error"] for r in res if "error" in r]
     if errors:
         d["first_error"] = errors[0]
