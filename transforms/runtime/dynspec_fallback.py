@@ -3565,8 +3565,9 @@ def samples_by_argmax(batch: Any) -> bool:
     """Whether SGLang's sampling of a one-node tree for ``batch`` is one argmax over the
     target's logits: every request greedy, and nothing that changes the logits first (no
     penalties, accumulated or not, no logit bias, custom logit processor or grammar). A
-    sampling-info field a release does not have counts as set, so such a release never
-    qualifies on a guess."""
+    release whose sampling info lacks the orchestrator, ``logit_bias`` or
+    ``has_custom_logit_processor`` never qualifies on a guess; the ``acc_*`` penalties count
+    where the release has them (the overlap scheduler's copy, 0.5.10.post1+)."""
     info = batch.sampling_info
     # The overlap scheduler hands the worker a copy whose orchestrator is None and whose
     # penalties are accumulated into acc_* (SamplingBatchInfo.copy_for_forward).
