@@ -92,6 +92,7 @@ NOT_ARGMAX = {
     "penalties": {"penalizer_orchestrator": None},  # replaced by a required one below
     "accumulated additive penalties": {"acc_additive_penalties": "penalties"},
     "accumulated scaling penalties": {"acc_scaling_penalties": "penalties"},
+    "accumulated linear penalties (<= 0.5.5.post2)": {"acc_linear_penalties": "penalties"},
     "custom logit processor": {"has_custom_logit_processor": True},
 }
 

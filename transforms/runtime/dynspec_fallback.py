@@ -3561,13 +3561,18 @@ def _one_token_verify_applies(adapter: Adapter, batch: Any) -> bool:
     return samples_by_argmax(batch) and not batch.return_logprob
 
 
+# The penalties the overlap scheduler's copy of the sampling info carries accumulated
+# (``acc_linear_penalties`` <= 0.5.5.post2, ``acc_additive`` / ``acc_scaling`` after).
+ACC_PENALTIES = ("linear", "additive", "scaling")
+
+
 def samples_by_argmax(batch: Any) -> bool:
     """Whether SGLang's sampling of a one-node tree for ``batch`` is one argmax over the
     target's logits: every request greedy, and nothing that changes the logits first (no
     penalties, accumulated or not, no logit bias, custom logit processor or grammar). A
     release whose sampling info lacks the orchestrator, ``logit_bias`` or
     ``has_custom_logit_processor`` never qualifies on a guess; the ``acc_*`` penalties count
-    where the release has them (the overlap scheduler's copy, 0.5.10.post1+)."""
+    where the release has them (``ACC_PENALTIES``)."""
     info = batch.sampling_info
     # The overlap scheduler hands the worker a copy whose orchestrator is None and whose
     # penalties are accumulated into acc_* (SamplingBatchInfo.copy_for_forward).
@@ -3577,8 +3582,7 @@ def samples_by_argmax(batch: Any) -> bool:
         and orchestrator is not info
         and not (orchestrator is not None and orchestrator.is_required)
         and getattr(info, "logit_bias", True) is None
-        and getattr(info, "acc_additive_penalties", None) is None
-        and getattr(info, "acc_scaling_penalties", None) is None
+        and all(getattr(info, f"acc_{kind}_penalties", None) is None for kind in ACC_PENALTIES)
         and not getattr(info, "has_custom_logit_processor", True)
         and not _has_grammar(batch)
     )
