@@ -111,13 +111,16 @@ def test_a_batch_whose_logits_change_or_that_samples_keeps_the_sampler(shapes, c
     assert samples(world) == 3  # the next plain greedy batch takes the argmax again
 
 
-def test_a_release_without_a_sampling_field_never_takes_the_argmax(shapes):
+@pytest.mark.parametrize(
+    "field", ["logit_bias", "has_custom_logit_processor", "penalizer_orchestrator"]
+)
+def test_a_release_without_a_sampling_field_never_takes_the_argmax(shapes, field):
     from tests.runtime.standins import new_decode_batch
 
     world = make_world(shapes["0.5.17"])
     step(world)  # checked
     batch = new_decode_batch(world, 3, 10)
-    del batch.sampling_info.logit_bias
+    delattr(batch.sampling_info, field)
     dyn.maybe_fallback_v2(world.worker, batch)
     assert samples(world) == 2
 
@@ -224,13 +227,3 @@ def test_the_overlap_schedulers_copy_has_no_orchestrator_and_its_penalties_in_ac
     step(world, penalizer_orchestrator=None, acc_additive_penalties="penalties")
     assert samples(world) == 2
 
-
-def test_a_sampling_info_without_an_orchestrator_field_keeps_the_sampler(shapes):
-    from tests.runtime.standins import new_decode_batch
-
-    world = make_world(shapes["0.5.17"])
-    step(world)  # checked
-    batch = new_decode_batch(world, 3, 10)
-    del batch.sampling_info.penalizer_orchestrator
-    dyn.maybe_fallback_v2(world.worker, batch)
-    assert samples(world) == 2
