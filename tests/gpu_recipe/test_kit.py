@@ -246,6 +246,7 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         assert d["server_tok_per_s"] == pytest.approx(d["concurrency"] * 8 / 0.02)
         assert d["server_tok_per_s"] > d["loaded_tok_per_s"]
         assert 0 < d["mean_outside_server_ms"] < 20
+        assert set(d["client_gc"]) == {"collections", "total_ms", "longest_ms"}
         assert d["cache_flushed"] is True
         assert "gpu" in d  # None where no nvidia-smi answers
     # the radix cache was emptied once before each level, before its first request
@@ -269,6 +270,24 @@ def test_the_server_rate_is_each_clients_tokens_over_the_servers_times():
     slow = [({"meta_info": {"completion_tokens": 8, "e2e_latency": 0.3}}, 0.35)]
     assert client.server_rate([fast, slow, []]) == pytest.approx(16 / 0.16 + 8 / 0.3)
     assert client.server_rate([fast, [({"output_ids": [1]}, 0.1)]]) is None  # no server time
+
+
+def test_gc_pauses_counts_the_collections_made_while_it_is_open():
+    import gc
+
+    from gc_pauses import GcPauses
+
+    gc.disable()  # only the collections asked for below
+    try:
+        with GcPauses() as pauses:
+            gc.collect()
+            gc.collect(0)
+        gc.collect()  # after the block: not counted
+    finally:
+        gc.enable()
+    summary = pauses.summary()
+    assert summary["collections"] == [1, 0, 1]
+    assert 0 < summary["longest_ms"] <= summary["total_ms"]
 
 
 def test_each_client_thread_keeps_one_connection(stub_url, tmp_path):

@@ -16,8 +16,8 @@
 # and mean_outside_server_ms, the mean of latency - e2e_latency: HTTP, the response's JSON, this
 # client. On an H200 that time varied from 29 to 137 ms per request between repeats of one level
 # (2026-12-04), on every kind of server, as much as the patch's whole effect. Each client thread
-# keeps one HTTP/1.1 connection open across its requests, as serving clients do, instead of one
-# TCP connection per request.
+# keeps one HTTP/1.1 connection open across its requests (keepalive.py), as serving clients do;
+# each level records this process's own garbage-collector pauses (gc_pauses.py, "client_gc").
 # Before each level the server's radix cache is emptied (--keep-cache: not), as envelope.py does:
 # a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
 # starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
@@ -33,6 +33,7 @@ import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import server_info  # beside this script
+from gc_pauses import GcPauses
 from gpu_sampler import GpuSampler
 from keepalive import post_json
 
@@ -220,7 +221,7 @@ def main(argv):
             if why:
                 out["errors"].append(f"c={c}: cache not flushed: {why}")
         try:
-            with GpuSampler() as gpu:
+            with GpuSampler() as gpu, GcPauses() as pauses:
                 if a.duration > 0:
                     res, wall, by_prompt, loaded, served = run_for(
                         1000 + c + 7919 * rep, c, a.duration
@@ -237,6 +238,7 @@ def main(argv):
                 d["server_tok_per_s"] = None if served is None else round(served, 1)
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
+            d["client_gc"] = pauses.summary()
             if rep == 0 and c == max(
                 int(x) for x in a.levels.split(",")
             ):  # greedy outputs of the fixed prompts under load
