@@ -253,6 +253,20 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
     assert len(SweepStub.flushes) == len(levels)
 
 
+def test_one_wave_levels_run_at_each_output_length(stub_url, tmp_path):
+    out = tmp_path / "waves.json"
+    cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
+           "--levels", "4", "--greedy", "1", "--min-reqs", "4", "--mult", "1",
+           "--olens", "3,9", "--repeats", "2"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    levels = json.loads(out.read_text())["levels"]
+    assert [(d["concurrency"], d["olen"], d["repeat"]) for d in levels] == [
+        (4, 3, 0), (4, 3, 1), (4, 9, 0), (4, 9, 1)]
+    for d in levels:
+        assert d["requests"] == 4 and d["output_tokens"] == 4 * d["olen"]  # one wave each
+        assert "duration_s" not in d
+
+
 def test_the_loaded_rate_is_each_clients_tokens_over_its_busy_time():
     """Two clients: one finished two requests of 8 tokens in 0.1 s each, the other one request
     of 8 tokens that ran 0.35 s past the deadline (the drain). Each client's rate counts."""

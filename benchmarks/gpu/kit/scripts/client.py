@@ -1,6 +1,6 @@
 # Concurrency sweep + greedy reference outputs against an SGLang /generate endpoint (stdlib only).
 # usage: python3 client.py URL OUT.json NAME [--levels 1,4,16,32,64,128] [--plen 256] [--olen 256]
-# [--greedy 16] [--duration S --repeats R]
+# [--greedy 16] [--duration S --repeats R] [--olens 128,512]
 # --duration S: each level is a closed loop of c clients, each sending its next request as soon as
 # its last one returns, until S seconds have passed (then the requests in flight finish); a level is
 # then at least S seconds of decoding instead of one wave of c requests (one hiccup moves a short
@@ -22,6 +22,10 @@
 # a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
 # starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
 # the GPU's clocks (gpu_sampler.py; None without nvidia-smi).
+# --olens A,B: every level at each of these output lengths (each entry keeps its "olen"). Without
+# --duration a level is one wave of c requests sent together, and the wave's wall at two lengths
+# splits it into a fixed part (the prefill of c prompts and the steps around it) and a per-token
+# part (one decode step of c requests): benchmarks/gpu/wave_fit.py fits the two per server.
 import argparse
 import http.client
 import json
@@ -73,14 +77,14 @@ def gen(ids, olen=None):
     raise err
 
 
-def run(reqs, conc):
+def run(reqs, conc, olen=None):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as ex:
-        res = list(ex.map(gen, reqs))
+        res = list(ex.map(lambda ids: gen(ids, olen), reqs))
     return res, time.perf_counter() - t0
 
 
-def run_for(seed, conc, duration):
+def run_for(seed, conc, duration, olen=None):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
@@ -95,7 +99,7 @@ def run_for(seed, conc, duration):
     def client(k):
         done, i = [], k
         while time.perf_counter() - t0 < duration:
-            r = gen(pool[i % len(pool)])
+            r = gen(pool[i % len(pool)], olen)
             by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
             done.append(r)
             i += conc
@@ -171,6 +175,7 @@ def parse(argv):
     ap.add_argument("--levels", default="1,4,16,32,64,128")
     ap.add_argument("--plen", type=int, default=256)
     ap.add_argument("--olen", type=int, default=256)
+    ap.add_argument("--olens", default="", help="comma list: every level at each length")
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=128000)
     ap.add_argument("--min-reqs", type=int, default=8)
@@ -212,7 +217,9 @@ def main(argv):
             out["errors"].append(f"greedy: {e!r}")
     out["greedy_c1"] = greedy
     print(f"greedy c=1: {len(greedy)} prompts in {time.perf_counter() - t:.1f}s", flush=True)
-    for c, rep in [(int(x), r) for x in a.levels.split(",") if x for r in range(a.repeats)]:
+    olens = [int(x) for x in a.olens.split(",") if x] or [a.olen]
+    levels = [int(x) for x in a.levels.split(",") if x]
+    for c, olen, rep in [(c, o, r) for c in levels for o in olens for r in range(a.repeats)]:
         n = max(a.min_reqs, a.mult * c)
         flushed = False
         if not a.keep_cache:
@@ -224,14 +231,15 @@ def main(argv):
             with GpuSampler() as gpu, GcPauses() as pauses:
                 if a.duration > 0:
                     res, wall, by_prompt, loaded, served = run_for(
-                        1000 + c + 7919 * rep, c, a.duration
+                        1000 + c + 7919 * rep, c, a.duration, olen
                     )
                     firsts = [by_prompt.get(i) for i in range(min(16, c))]
                 else:
-                    res, wall = run(prompts(1000 + c, n), c)
+                    res, wall = run(prompts(1000 + c, n), c, olen)
                     firsts = [r.get("output_ids") for r, _ in res[:16]]
             d = summarize(res, wall, c)
             d["repeat"] = rep
+            d["olen"] = olen
             if a.duration > 0:
                 d["duration_s"] = a.duration
                 d["loaded_tok_per_s"] = round(loaded, 1)
@@ -239,9 +247,8 @@ def main(argv):
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
             d["client_gc"] = pauses.summary()
-            if rep == 0 and c == max(
-                int(x) for x in a.levels.split(",")
-            ):  # greedy outputs of the fixed prompts under load
+            if rep == 0 and olen == olens[0] and c == max(levels):
+                # greedy outputs of the fixed prompts under load
                 d["note"] = "output_ids of prompts 0-15 kept in greedy_at_max_conc"
                 out["greedy_at_max_conc"] = firsts
         except Exception as e:

@@ -35,7 +35,9 @@
 #       envelope_report.py shows); its results and log are named VARIANT@N
 #
 # Environment: KIT_HOME (/root/dynspec-gpu-kit), PY (python3), OUT, LEVELS (1,16,64,128),
-#   DURATION (10: each level is a closed loop of c clients for >= 10 s), REPEATS (2: each level twice),
+#   DURATION (10: each level is a closed loop of c clients for >= 10 s; 0: one wave of c requests),
+#   REPEATS (2: each level twice), OLENS (unset; e.g. 128,512: every level at each output length,
+#   whose one-wave levels benchmarks/gpu/wave_fit.py splits into prefill and decode time),
 #   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540), VARIANT_ENV (extra
 #   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
 #   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
@@ -181,7 +183,8 @@ session)
         check-*) timeout "$budget" "$PY" "$HERE/check.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V";;
         env-*) timeout "$budget" "$PY" "$HERE/envelope.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" $(env_args "$KIND");;
         *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
-             --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS";;
+             --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS" \
+             ${OLENS:+--olens "$OLENS"};;
       esac
       echo "[$V] client rc=$?"
       if [ -n "${PROFILE_AT:-}" ]; then   # where a loaded step's time goes (torch profiler, GPU only)
