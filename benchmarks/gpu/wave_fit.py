@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,12 +45,8 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     None unless the points hold at least two output lengths."""
     if len({olen for olen, _ in points}) < 2:
         return None
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-    return mean_y - slope * mean_x, slope
+    line = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return line.intercept, line.slope
 
 
 def table(results: dict, kinds: list[str]) -> str:
