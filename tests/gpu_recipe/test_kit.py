@@ -170,6 +170,9 @@ def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_
     assert "[env-fixed-T16@2] already done" in again.stdout
 
 
+DEFAULT_KERNELS = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
+
+
 class SweepStub(JsonHandler):
     """A stand-in SGLang server for client.py and profile_steps.py: /generate answers after a
     short delay with max_new_tokens ids, /start_profile writes a canned GPU trace (or none)."""
@@ -178,10 +181,12 @@ class SweepStub(JsonHandler):
     timeout = 0.3  # and closes one that idles this long, as uvicorn's keep-alive timeout does
     disable_nagle_algorithm = True  # as asyncio's transports (uvicorn's) do
     write_trace = True
-    kernels = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
+    kernels = DEFAULT_KERNELS
     slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
     flushes: ClassVar[list[float]] = []  # when each /flush_cache came (time.time())
     generate_ports: ClassVar[list[int]] = []  # the client port of each /generate
+    profile_calls: ClassVar[list[tuple[str, int]]] = []  # (path, /generate calls before it)
+    trace_dir = ""
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
@@ -192,14 +197,19 @@ class SweepStub(JsonHandler):
             self._reply({})
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/start_profile":
-            if self.write_trace:
+        if self.path in ("/start_profile", "/stop_profile"):
+            self.profile_calls.append((self.path, len(self.generate_ports)))
+            if self.path == "/start_profile":
+                SweepStub.trace_dir = body["output_dir"]
+            # a trace of num_steps steps is written when they ran; an open-ended one at its stop
+            done = self.path == "/stop_profile" or body.get("num_steps") is not None
+            if self.write_trace and done:
                 events = [
                     {"ph": "X", "cat": "kernel", "name": n, "ts": t0, "dur": t1 - t0}
                     for n, t0, t1 in self.kernels
                 ]
                 events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99})
-                path = Path(body["output_dir"]) / "stub-TP-0.trace.json.gz"
+                path = Path(self.trace_dir) / "stub-TP-0.trace.json.gz"
                 with gzip.open(path, "wt") as f:
                     json.dump({"traceEvents": events}, f)
             self._reply({"success": True})
@@ -222,6 +232,38 @@ def stub_url() -> Iterator[str]:
     SweepStub.slow_parity = None
     SweepStub.flushes.clear()
     SweepStub.generate_ports.clear()
+    SweepStub.profile_calls.clear()
+    SweepStub.kernels = DEFAULT_KERNELS
+
+
+def test_waves_run_after_the_sweep_on_the_same_server_under_a_kind_of_their_own(
+    stub_url, tmp_path
+):
+    """WAVES=A,B: after a server's sweep, one-wave levels at both lengths from that server,
+    named VARIANT-waves@N so that further servers pool with the first (wave_fit.py)."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"  # the server: alive until killed; SweepStub answers on its port
+        'if [ "$1 $2" = "-m sglang.launch_server" ]; then exec sleep 60; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    home, out = tmp_path / "kit", tmp_path / "out"
+    env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(out),
+           "PORT": stub_url.rsplit(":", 1)[1], "HEALTH_TIMEOUT": "20", "DEADLINE": "600",
+           "LEVELS": "2", "DURATION": "0.2", "REPEATS": "1", "WAVES": "4,8",
+           "WAVE_LEVELS": "2,3", "WAVE_REPEATS": "2"}
+    done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", "base@2"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"base@2", "base-waves@2"}
+    assert all("duration_s" in d for d in results["base@2"]["levels"])
+    waves = results["base-waves@2"]["levels"]
+    assert sorted((d["concurrency"], d["olen"], d["requests"]) for d in waves) == [
+        (2, 4, 2), (2, 4, 2), (2, 8, 2), (2, 8, 2), (3, 4, 3), (3, 4, 3), (3, 8, 3), (3, 8, 3)]
+    assert not any("duration_s" in d for d in waves)
 
 
 def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
@@ -355,6 +397,34 @@ def test_profile_reads_gpu_busy_time_and_top_kernels(stub_url, tmp_path):
     assert report["gpu_busy_fraction"] == round(25 / 30, 3)
     assert report["wall_ms_per_step"] == round(0.030 / 5, 3)
     assert [(k["name"], k["calls"]) for k in report["top_kernels"]] == [("gemm", 2), ("attn", 1)]
+
+
+def test_a_wave_profile_splits_prefill_from_decode_and_lists_idle_gaps(stub_url, tmp_path):
+    """--wave: the cache emptied, the trace started, the wave's requests sent, then stopped;
+    the window splits at the first decode-attention kernel, and the idle gaps over 200 us are
+    counted where they lie."""
+    SweepStub.kernels = (
+        ("extend", 0.0, 100.0),
+        ("gemm", 150.0, 300.0),  # 50 us idle before it: not a gap
+        ("_fwd_grouped_kernel_stage1", 600.0, 650.0),  # 300 us idle: the prefill phase's gap
+        ("gemm", 650.0, 700.0),
+        ("gemm", 1000.0, 1100.0),  # 300 us idle in the decode phase
+    )
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "w", "--concurrency", "3", "--wave", "4", "--plen", "8"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    report = json.loads((tmp_path / "w.profile.json").read_text())
+    assert len(SweepStub.flushes) == 1
+    assert SweepStub.profile_calls == [("/start_profile", 0), ("/stop_profile", 3)]
+    assert (report["wall_ms"], report["gpu_busy_ms"]) == (1.1, 0.45)
+    prefill, decode = report["prefill_phase"], report["decode_phase"]
+    assert (prefill["wall_ms"], prefill["gpu_busy_ms"], prefill["kernels"]) == (0.3, 0.25, 2)
+    assert (decode["wall_ms"], decode["gpu_busy_ms"], decode["decode_marker_calls"]) == (
+        0.5, 0.2, 1)
+    gaps = report["idle_gaps"]
+    assert (gaps["count"], gaps["total_ms"], gaps["in_prefill_phase_ms"]) == (2, 0.6, 0.3)
+    assert [(g["at_ms"], g["after"], g["before"]) for g in gaps["largest"]] == [
+        (0.3, "gemm", "_fwd_grouped_kernel_stage1"), (0.7, "gemm", "gemm")]
 
 
 def test_profile_without_a_trace_says_so(stub_url, tmp_path):

@@ -1,11 +1,21 @@
 # Where a loaded server's decode steps spend their time (stdlib only).
 # usage: python3 profile_steps.py URL OUTDIR NAME [--concurrency 64] [--steps 30] [--trace-root DIR]
+#                                [--wave OLEN]
 #
 # Keeps CONCURRENCY clients in a closed loop, asks the server for a torch-profiler trace of STEPS
 # forward steps (SGLang's /start_profile, GPU activity only, so the host is not slowed down), then
 # reads the trace: GPU busy time (the union of kernel intervals) against the wall span of the
 # profiled steps, and the kernels that took the most time. A step whose GPU is busy for much less
 # than its wall time is host-bound (Python, launches, synchronisation), not kernel-bound.
+#
+# --wave OLEN: instead, one wave on an idle server with an empty radix cache: the trace starts,
+# CONCURRENCY requests of OLEN new tokens go out together, the trace stops when the last returns.
+# Every server does the same work in that window (the prefill of the wave's prompts, the decode
+# steps, the switch between them), so two servers' traces compare kernel by kernel, which a
+# closed loop's window of STEPS steps does not (on 2026-12-04 one held prefill batches and the
+# other none). The window splits at the first decode-attention kernel (--decode-marker) into the
+# prefill phase and the decode phase, each with its wall and GPU busy time; the GPU's idle gaps
+# longer than --gap-us are counted and the largest listed with the kernels around them.
 # Writes OUTDIR/NAME.profile.json and prints a short table.
 import argparse
 import glob
@@ -27,6 +37,19 @@ ap.add_argument("--plen", type=int, default=256)
 ap.add_argument("--olen", type=int, default=512)
 ap.add_argument("--settle", type=float, default=6.0, help="seconds of load before profiling")
 ap.add_argument("--trace-root", default=None, help="where the raw traces go (default OUTDIR)")
+ap.add_argument(
+    "--wave",
+    type=int,
+    default=None,
+    metavar="OLEN",
+    help="trace one wave of CONCURRENCY requests of OLEN new tokens on an idle server",
+)
+ap.add_argument(
+    "--decode-marker",
+    default="_fwd_grouped_kernel_stage1",
+    help="a kernel only decode steps run (triton decode attention)",
+)
+ap.add_argument("--gap-us", type=float, default=200.0, help="idle gaps longer than this are listed")
 a = ap.parse_args()
 
 
@@ -41,13 +64,20 @@ def post(path, body, timeout=600):
 stop = threading.Event()
 
 
+def prompt(rng):
+    return [rng.randrange(1000, 128000) for _ in range(a.plen)]
+
+
+def generate(ids, olen):
+    body = {"max_new_tokens": olen, "temperature": 0, "ignore_eos": True}
+    post("/generate", {"input_ids": ids, "sampling_params": body})
+
+
 def client(k):
     rng = random.Random(k)
     while not stop.is_set():
-        ids = [rng.randrange(1000, 128000) for _ in range(a.plen)]
-        body = {"max_new_tokens": a.olen, "temperature": 0, "ignore_eos": True}
         try:
-            post("/generate", {"input_ids": ids, "sampling_params": body})
+            generate(prompt(rng), a.olen)
         except Exception:
             time.sleep(0.2)
 
@@ -64,66 +94,181 @@ def union_us(intervals):
     return total
 
 
-trace_dir = os.path.join(a.trace_root or a.outdir, f"trace-{a.name}")
-os.makedirs(trace_dir, exist_ok=True)
-threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(a.concurrency)]
-for t in threads:
-    t.start()
-time.sleep(a.settle)
-result = {"name": a.name, "concurrency": a.concurrency, "steps": a.steps}
-try:
-    post(
-        "/start_profile",
-        {"output_dir": trace_dir, "num_steps": a.steps, "activities": ["GPU"]},
-    )
-    files = []
+def wait_for_trace(trace_dir):
     for _ in range(int(2 * float(os.environ.get("PROFILE_WAIT_S", "60")))):
         files = glob.glob(os.path.join(trace_dir, "*.json.gz")) + glob.glob(
             os.path.join(trace_dir, "*.json")
         )
         if files:
             time.sleep(2)  # let the writer finish
-            break
+            return sorted(files)[0]
         time.sleep(0.5)
-    stop.set()
-    if not files:
-        raise RuntimeError(f"no trace written under {trace_dir}")
-    path = sorted(files)[0]
+    raise RuntimeError(f"no trace written under {trace_dir}")
+
+
+def gpu_events(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
     kernels = [
-        e
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?")[:120])
         for e in events
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     ]
     if not kernels:
         raise RuntimeError(f"no GPU events in {path}")
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in kernels]
-    wall_us = max(s for _, s in spans) - min(s for s, _ in spans)
-    busy_us = union_us(spans)
+    return sorted(kernels)
+
+
+def top_kernels(kernels, n=25):
     by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        entry = by_name.setdefault(e.get("name", "?")[:120], [0.0, 0])
-        entry[0] += float(e.get("dur", 0))
+    for start, end, name in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += end - start
         entry[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
-    result.update(
-        trace=os.path.basename(path),
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k, "total_ms": round(v[0] / 1000, 3), "calls": v[1]} for k, v in top]
+
+
+def span(kernels):
+    """Wall and GPU busy ms of these kernels, first start to last end."""
+    if not kernels:
+        return {"wall_ms": 0.0, "gpu_busy_ms": 0.0}
+    wall = max(e for _, e, _ in kernels) - kernels[0][0]
+    return {
+        "wall_ms": round(wall / 1000, 3),
+        "gpu_busy_ms": round(union_us([(s, e) for s, e, _ in kernels]) / 1000, 3),
+    }
+
+
+def idle_gaps(kernels, origin):
+    """The GPU's idle stretches longer than --gap-us: (ms from origin, ms, kernel before, after)."""
+    gaps, end, last = [], None, None
+    for start, stop_, name in kernels:
+        if end is not None and start - end > a.gap_us:
+            gaps.append(((end - origin) / 1000, (start - end) / 1000, last, name))
+        if end is None or stop_ > end:
+            end, last = stop_, name
+    return gaps
+
+
+def steps_report(kernels):
+    spans = [(s, e) for s, e, _ in kernels]
+    wall_us = max(e for _, e in spans) - min(s for s, _ in spans)
+    busy_us = union_us(spans)
+    return dict(
         wall_ms=round(wall_us / 1000, 3),
         gpu_busy_ms=round(busy_us / 1000, 3),
         gpu_busy_fraction=round(busy_us / wall_us, 3) if wall_us else None,
         wall_ms_per_step=round(wall_us / 1000 / a.steps, 3),
         gpu_busy_ms_per_step=round(busy_us / 1000 / a.steps, 3),
-        top_kernels=[{"name": n, "total_ms": round(v[0] / 1000, 3), "calls": v[1]} for n, v in top],
+        top_kernels=top_kernels(kernels),
     )
+
+
+def wave_report(kernels):
+    origin = kernels[0][0]
+    first_decode = next((s for s, _, n in kernels if a.decode_marker in n), None)
+    prefill = [k for k in kernels if first_decode is None or k[0] < first_decode]
+    decode = [k for k in kernels if first_decode is not None and k[0] >= first_decode]
+    gaps = idle_gaps(kernels, origin)
+
+    def in_prefill(at_ms):
+        return first_decode is None or at_ms < (first_decode - origin) / 1000
+
+    largest = sorted(gaps, key=lambda g: -g[1])[:12]
+    whole = span(kernels)
+    return dict(
+        **whole,
+        gpu_busy_fraction=round(whole["gpu_busy_ms"] / whole["wall_ms"], 3)
+        if whole["wall_ms"]
+        else None,
+        prefill_phase=dict(
+            **span(prefill), kernels=len(prefill), top_kernels=top_kernels(prefill, 15)
+        ),
+        decode_phase=dict(
+            **span(decode),
+            kernels=len(decode),
+            decode_marker_calls=sum(a.decode_marker in n for _, _, n in decode),
+        ),
+        idle_gaps=dict(
+            longer_than_us=a.gap_us,
+            count=len(gaps),
+            total_ms=round(sum(g[1] for g in gaps), 3),
+            in_prefill_phase_ms=round(sum(g[1] for g in gaps if in_prefill(g[0])), 3),
+            largest=[
+                {"at_ms": round(t, 3), "ms": round(d, 3), "after": b, "before": n}
+                for t, d, b, n in largest
+            ],
+        ),
+        top_kernels=top_kernels(kernels),
+    )
+
+
+def run_wave(trace_dir):
+    """One wave of --concurrency requests sent together, traced from before the first to after
+    the last; the server is idle before and after, so the kernels are the wave's alone."""
+    post("/flush_cache", {})
+    rng = random.Random(0)
+    prompts = [prompt(rng) for _ in range(a.concurrency)]
+    post("/start_profile", {"output_dir": trace_dir, "activities": ["GPU"]})
+    gate = threading.Barrier(a.concurrency)
+
+    def one(ids):
+        gate.wait()
+        generate(ids, a.wave)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    post("/stop_profile", {})
+    return wait_for_trace(trace_dir)
+
+
+def run_loaded(trace_dir):
+    threads = [
+        threading.Thread(target=client, args=(k,), daemon=True) for k in range(a.concurrency)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(a.settle)
+    try:
+        post(
+            "/start_profile", {"output_dir": trace_dir, "num_steps": a.steps, "activities": ["GPU"]}
+        )
+        return wait_for_trace(trace_dir)
+    finally:
+        stop.set()
+
+
+trace_dir = os.path.join(a.trace_root or a.outdir, f"trace-{a.name}")
+os.makedirs(trace_dir, exist_ok=True)
+result = {"name": a.name, "concurrency": a.concurrency}
+result.update({"wave_olen": a.wave, "plen": a.plen} if a.wave else {"steps": a.steps})
+try:
+    path = run_wave(trace_dir) if a.wave else run_loaded(trace_dir)
+    kernels = gpu_events(path)
+    result["trace"] = os.path.basename(path)
+    result.update(wave_report(kernels) if a.wave else steps_report(kernels))
 except Exception as exc:
-    stop.set()
     result["error"] = f"{type(exc).__name__}: {exc}"
 with open(os.path.join(a.outdir, f"{a.name}.profile.json"), "w") as f:
     json.dump(result, f, indent=1)
 if "error" in result:
     print(f"[{a.name}] profile failed: {result['error']}")
+elif a.wave:
+    pre, dec, gaps = result["prefill_phase"], result["decode_phase"], result["idle_gaps"]
+    print(
+        f"[{a.name}] wave c={a.concurrency} olen={a.wave}: wall {result['wall_ms']} ms, GPU busy "
+        f"{result['gpu_busy_ms']} ms; prefill phase {pre['wall_ms']} / {pre['gpu_busy_ms']} ms, "
+        f"decode phase {dec['wall_ms']} / {dec['gpu_busy_ms']} ms; {gaps['count']} idle gaps "
+        f"> {a.gap_us:g} us, {gaps['total_ms']} ms ({gaps['in_prefill_phase_ms']} in prefill)"
+    )
+    for g in gaps["largest"][:6]:
+        where = f"after {g['after'][:50]}  before {g['before'][:50]}"
+        print(f"  idle {g['ms']:8.3f} ms at {g['at_ms']:9.3f} ms  {where}")
 else:
     print(
         f"[{a.name}] profile c={a.concurrency}: {a.steps} steps, wall {result['wall_ms_per_step']} "

@@ -38,11 +38,15 @@
 #   DURATION (10: each level is a closed loop of c clients for >= 10 s; 0: one wave of c requests),
 #   REPEATS (2: each level twice), OLENS (unset; e.g. 128,512: every level at each output length,
 #   whose one-wave levels benchmarks/gpu/wave_fit.py splits into prefill and decode time),
-#   THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300), DEADLINE (540), VARIANT_ENV (extra
-#   NAME=VALUE words for every dyn-* server, e.g. "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a
-#   concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
+#   WAVES (unset; e.g. 128,512: after the sweep, one-wave levels at these output lengths, at
+#   WAVE_LEVELS (64), WAVE_REPEATS (3) times each, into VARIANT-waves[@N]: wave_fit.py's input,
+#   from the same server as the sweep), THRESHOLD (16), PORT (31000), HEALTH_TIMEOUT (300),
+#   DEADLINE (540), VARIANT_ENV (extra NAME=VALUE words for every dyn-* server, e.g.
+#   "DYNSPEC_WARMUP=0"), PROFILE_AT (unset; a concurrency: after the sweep, profile_steps.py records a GPU trace of 30 steps at that load
 #   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels), PROFILE_ARGS
-#   (more profile_steps.py options, e.g. "--olen 2048 --settle 8": 30 steady decode steps),
+#   (more profile_steps.py options, e.g. "--olen 2048 --settle 8": 30 steady decode steps;
+#   "--wave 64": one wave of PROFILE_AT requests of 64 tokens on the idle server, prefill and
+#   decode phases and the GPU's idle gaps, the same work on every server),
 #   JITWARM_SKIP (setup: kernels jitwarm.py leaves to the server, e.g. clamp_position),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
@@ -187,6 +191,16 @@ session)
              ${OLENS:+--olens "$OLENS"};;
       esac
       echo "[$V] client rc=$?"
+      if [ -n "${WAVES:-}" ]; then   # one-wave levels at these output lengths (wave_fit.py)
+        case "$V" in check-*|env-*) ;; *)
+          k=${V%%@*}; wv="$k-waves${V#"$k"}"   # dyn-v2@2 -> dyn-v2-waves@2: pools as a kind
+          budget=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) - 25 ))
+          timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$wv.json" "$wv" \
+            --levels "${WAVE_LEVELS:-64}" --greedy 0 --min-reqs 1 --mult 1 --duration 0 \
+            --repeats "${WAVE_REPEATS:-3}" --olens "$WAVES"
+          echo "[$V] waves rc=$?";;
+        esac
+      fi
       if [ -n "${PROFILE_AT:-}" ]; then   # where a loaded step's time goes (torch profiler, GPU only)
         case "$V" in check-*) ;; *)
           timeout 120 "$PY" "$HERE/profile_steps.py" "http://127.0.0.1:$PORT" "$RES" "$V" \
