@@ -427,6 +427,32 @@ def test_a_wave_profile_splits_prefill_from_decode_and_lists_idle_gaps(stub_url,
         (0.3, "gemm", "_fwd_grouped_kernel_stage1"), (0.7, "gemm", "gemm")]
 
 
+def test_back_to_back_waves_trace_the_time_outside_the_steady_decode_steps(stub_url, tmp_path):
+    """--waves 2: each client sends its second request when its first returns; every --layers
+    decode-attention kernels start a step, and the time before the first step, each interval
+    beyond the median step and the tail add up to the time outside the steady steps."""
+    marker = "_fwd_grouped_kernel_stage1"
+    steps = (100.0, 200.0, 300.0, 800.0, 900.0)  # 500 us between the third and the fourth
+    SweepStub.kernels = (
+        ("extend", 0.0, 100.0),
+        *((marker, t + d, t + d + 5.0) for t in steps for d in (0.0, 10.0)),
+        ("extend", 400.0, 700.0),  # the next wave's prefill
+        ("gemm", 930.0, 950.0),
+    )
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "w", "--concurrency", "3", "--wave", "4", "--plen", "8", "--waves", "2",
+           "--layers", "2"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    report = json.loads((tmp_path / "w.profile.json").read_text())
+    assert SweepStub.profile_calls == [("/start_profile", 0), ("/stop_profile", 6)]
+    assert report["waves"] == 2
+    assert (report["decode_steps"], report["step_ms_median"], report["long_step_intervals"]) == (
+        5, 0.1, 1)
+    # 100 us before the first step + (500 - 100) us of the long interval; the tail is shorter
+    # than a step
+    assert report["outside_steady_steps_ms"] == 0.5
+
+
 def test_profile_without_a_trace_says_so(stub_url, tmp_path):
     SweepStub.write_trace = False
     cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),

@@ -1,6 +1,6 @@
 # Where a loaded server's decode steps spend their time (stdlib only).
 # usage: python3 profile_steps.py URL OUTDIR NAME [--concurrency 64] [--steps 30] [--trace-root DIR]
-#                                [--wave OLEN]
+#                                [--wave OLEN [--waves N]]
 #
 # Keeps CONCURRENCY clients in a closed loop, asks the server for a torch-profiler trace of STEPS
 # forward steps (SGLang's /start_profile, GPU activity only, so the host is not slowed down), then
@@ -16,10 +16,16 @@
 # other none). The window splits at the first decode-attention kernel (--decode-marker) into the
 # prefill phase and the decode phase, each with its wall and GPU busy time; the GPU's idle gaps
 # longer than --gap-us are counted and the largest listed with the kernels around them.
+# --waves N: each client sends N requests one after another, as a closed loop does, so the
+# trace holds N - 1 boundaries where one wave ends and the next one's prefill runs. Every
+# --layers decode-marker kernels start a decode step; the time outside the steady steps (the
+# window before the first step, each step interval beyond the median step, the tail) is what
+# the waves cost beyond their decode steps: the fixed part wave_fit.py fits, traced.
 # Writes OUTDIR/NAME.profile.json and prints a short table.
 import argparse
 import glob
 import gzip
+import itertools
 import json
 import os
 import random
@@ -50,6 +56,16 @@ ap.add_argument(
     help="a kernel only decode steps run (triton decode attention)",
 )
 ap.add_argument("--gap-us", type=float, default=200.0, help="idle gaps longer than this are listed")
+ap.add_argument(
+    "--waves",
+    type=int,
+    default=1,
+    help="with --wave: each client sends this many requests one after another (a closed loop "
+    "of this many waves, whose boundaries the trace then holds)",
+)
+ap.add_argument(
+    "--layers", type=int, default=32, help="decode-marker kernels per decode step (the layers)"
+)
 a = ap.parse_args()
 
 
@@ -180,6 +196,7 @@ def wave_report(kernels):
     whole = span(kernels)
     return dict(
         **whole,
+        **steps_outside(kernels),
         gpu_busy_fraction=round(whole["gpu_busy_ms"] / whole["wall_ms"], 3)
         if whole["wall_ms"]
         else None,
@@ -205,18 +222,37 @@ def wave_report(kernels):
     )
 
 
+def steps_outside(kernels):
+    """Decode steps (every --layers decode-marker kernels) and the time outside steady ones."""
+    starts = [s for s, _, n in kernels if a.decode_marker in n][:: a.layers]
+    if len(starts) < 3:
+        return {"decode_steps": len(starts)}
+    intervals = [b - s for s, b in itertools.pairwise(starts)]
+    step = sorted(intervals)[len(intervals) // 2]
+    beyond = [i - step for i in intervals if i > 1.5 * step]
+    tail = max(e for _, e, _ in kernels) - starts[-1] - step
+    outside = starts[0] - kernels[0][0] + sum(beyond) + max(0.0, tail)
+    return {
+        "decode_steps": len(starts),
+        "step_ms_median": round(step / 1000, 4),
+        "long_step_intervals": len(beyond),
+        "outside_steady_steps_ms": round(outside / 1000, 3),
+    }
+
+
 def run_wave(trace_dir):
-    """One wave of --concurrency requests sent together, traced from before the first to after
-    the last; the server is idle before and after, so the kernels are the wave's alone."""
+    """--waves waves of --concurrency requests, the first sent together, traced from before the
+    first to after the last; the server is idle before and after, so the kernels are theirs."""
     post("/flush_cache", {})
     rng = random.Random(0)
-    prompts = [prompt(rng) for _ in range(a.concurrency)]
+    prompts = [[prompt(rng) for _ in range(a.waves)] for _ in range(a.concurrency)]
     post("/start_profile", {"output_dir": trace_dir, "activities": ["GPU"]})
     gate = threading.Barrier(a.concurrency)
 
-    def one(ids):
+    def one(mine):
         gate.wait()
-        generate(ids, a.wave)
+        for ids in mine:
+            generate(ids, a.wave)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:
@@ -246,7 +282,9 @@ def run_loaded(trace_dir):
 trace_dir = os.path.join(a.trace_root or a.outdir, f"trace-{a.name}")
 os.makedirs(trace_dir, exist_ok=True)
 result = {"name": a.name, "concurrency": a.concurrency}
-result.update({"wave_olen": a.wave, "plen": a.plen} if a.wave else {"steps": a.steps})
+result.update(
+    {"wave_olen": a.wave, "waves": a.waves, "plen": a.plen} if a.wave else {"steps": a.steps}
+)
 try:
     path = run_wave(trace_dir) if a.wave else run_loaded(trace_dir)
     kernels = gpu_events(path)
@@ -266,6 +304,11 @@ elif a.wave:
         f"decode phase {dec['wall_ms']} / {dec['gpu_busy_ms']} ms; {gaps['count']} idle gaps "
         f"> {a.gap_us:g} us, {gaps['total_ms']} ms ({gaps['in_prefill_phase_ms']} in prefill)"
     )
+    if "outside_steady_steps_ms" in result:
+        print(
+            f"  {result['decode_steps']} decode steps of {result['step_ms_median']} ms (median); "
+            f"outside the steady steps {result['outside_steady_steps_ms']} ms"
+        )
     for g in gaps["largest"][:6]:
         where = f"after {g['after'][:50]}  before {g['before'][:50]}"
         print(f"  idle {g['ms']:8.3f} ms at {g['at_ms']:9.3f} ms  {where}")
