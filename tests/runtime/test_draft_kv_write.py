@@ -619,3 +619,146 @@ def test_under_auto_a_probe_put_off_by_a_stale_draft_state_speculates_next(shape
     speculated = [r == "speculative result" for r in results]
     assert speculated == [False, False, False, False, True, False]
     assert len(extends(world)) == 2 and adapter.draft_state_stale
+
+
+# -- DYNSPEC_DRAFT_KV_WRITE_STEPS: several fallback steps' writes run as one ------------------
+
+
+def stored_like_each_step(world: Any, seq_lens: list[int], bs: int) -> bool:
+    """Whether the pool holds, for each step at these lengths, what the stand-in draft model's
+    own draft-extend stores for it."""
+    import torch
+
+    from tests.runtime.standins import reference_draft_kv, stored_draft_kv
+
+    for seq_len in seq_lens:
+        slots, k, v = reference_draft_kv(world, seq_len, bs)
+        got_k, got_v = stored_draft_kv(world, slots)
+        if not (torch.allclose(got_k, k) and torch.allclose(got_v, v) and k.abs().sum() > 0):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("version", ["0.5.12.post1", "0.5.17", "0.5.23"])
+def test_the_writes_of_n_steps_are_stored_together_at_the_nth(shapes, version, monkeypatch):
+    from tests.runtime.standins import draft_runner
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, "3")
+    world = make_world(shapes, version)
+    pool = draft_runner(world).token_to_kv_pool
+    step(world, 3, 10)  # checks the write (SGLang's draft-extend)
+    stores = len(pool.writes)
+    step(world, 3, 11)
+    step(world, 3, 12)
+    assert len(pool.writes) == stores and not stored_like_each_step(world, [11], 3)
+    step(world, 3, 13)  # the third kept step: all three stored, oldest first
+    assert [loc.shape[0] for loc in pool.writes[stores:]] == [3, 3, 3]
+    assert stored_like_each_step(world, [11, 12, 13], 3)
+    assert len(extends(world)) == 1
+    adapter = dyn._adapters[type(world.worker)]
+    assert "3 fallback steps' writes run as one" in adapter.draft_kv_write_note
+
+
+@pytest.mark.parametrize("next_step", ["prefill", "resume", "grammar"])
+def test_every_other_kind_of_step_stores_the_kept_writes_first(shapes, monkeypatch, next_step):
+    """A prefill's draft-extend may store into a slot a kept row still targets, and a draft
+    that speculates, or SGLang's own step, reads the KV: each finds the kept rows stored."""
+    from tests.runtime.standins import ForwardMode, draft_runner, new_decode_batch
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, "8")
+    world = make_world(shapes, "0.5.17")
+    pool = draft_runner(world).token_to_kv_pool
+    step(world, 3, 10)  # checked
+    step(world, 3, 11)  # kept
+    assert not stored_like_each_step(world, [11], 3)
+    stores = len(pool.writes)
+    if next_step == "prefill":
+        batch = new_decode_batch(world, 3, 12)
+        batch.forward_mode = ForwardMode.EXTEND
+        assert dyn.maybe_fallback_v2(world.worker, batch) is None  # SGLang's prefill
+    elif next_step == "resume":
+        step(world, 1, 12)  # speculation resumes: first a step with SGLang's draft-extend
+        assert len(extends(world)) == 2
+    else:
+        batch = new_decode_batch(world, 3, 12)
+        batch.has_grammar = True  # a grammar the fallback cannot mask here: SGLang's step
+        dyn._adapters[type(world.worker)].grammar = None
+        assert dyn.maybe_fallback_v2(world.worker, batch) is None
+    assert stored_like_each_step(world, [11], 3)
+    assert pool.writes[stores].shape[0] == 3  # the kept step's rows came first
+    assert not dyn._adapters[type(world.worker)].draft_kv_write.kept
+
+
+def test_a_slot_two_kept_steps_write_holds_the_later_steps_kv(shapes, monkeypatch):
+    """A slot freed after one kept step and handed to another request's next step is written
+    twice among the kept rows: the later step's K and V stay, as with a write per step."""
+    import torch
+
+    from tests.runtime.standins import draft_runner
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, "2")
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)  # checked
+    kv_write = dyn._adapters[type(world.worker)].draft_kv_write
+    loc = torch.tensor([40, 41])
+    hidden = torch.randn(2, kv_write.inner.fc.in_features)
+    first, later = torch.tensor([3, 4]), torch.tensor([5, 6])
+    kv_write.defer(first, hidden, torch.tensor([7, 8]), loc)
+    kv_write.defer(later, hidden + 1.0, torch.tensor([9, 10]), loc)  # stores both
+    k, v = kv_write.compute(later, hidden + 1.0, torch.tensor([9, 10]))
+    pool = draft_runner(world).token_to_kv_pool
+    assert torch.allclose(pool.k_buffer[0][loc], k) and torch.allclose(pool.v_buffer[0][loc], v)
+    assert not kv_write.kept
+
+
+def test_a_kept_step_keeps_copies_of_its_rows(shapes, monkeypatch):
+    """The hidden states a fallback step hands the write are its target graph's output
+    buffer, which the next step's replay overwrites before the kept rows are stored."""
+    import torch
+
+    from tests.runtime.standins import draft_runner
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, "2")
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)  # checked
+    kv_write = dyn._adapters[type(world.worker)].draft_kv_write
+    tokens, positions, loc = torch.tensor([3, 4]), torch.tensor([7, 8]), torch.tensor([40, 41])
+    hidden = torch.randn(2, kv_write.inner.fc.in_features)
+    k, v = kv_write.compute(tokens, hidden, positions)
+    kv_write.defer(tokens, hidden, positions, loc)
+    for t in (tokens, hidden, positions, loc):
+        t.add_(1)  # the buffers change under the kept step, as the next replay changes them
+    kv_write.defer(tokens, hidden, positions, torch.tensor([50, 51]))
+    pool = draft_runner(world).token_to_kv_pool
+    at = torch.tensor([40, 41])
+    assert torch.allclose(pool.k_buffer[0][at], k) and torch.allclose(pool.v_buffer[0][at], v)
+
+
+def test_one_step_per_write_writes_at_once_without_copies(shapes):
+    """The default: each fallback step's write runs in its step, on the step's own tensors
+    (no copies: four more kernels a step)."""
+    import torch
+
+    world = make_world(shapes, "0.5.17")
+    step(world, 3, 10)  # checked
+    kv_write = dyn._adapters[type(world.worker)].draft_kv_write
+    assert kv_write.steps_per_write == 1
+    seen: list[tuple[Any, ...]] = []
+    kv_write.write = lambda *args: seen.append(args)  # type: ignore[method-assign]
+    args = (torch.tensor([3]), torch.randn(1, kv_write.inner.fc.in_features), torch.tensor([7]),
+            torch.tensor([40]))
+    kv_write.defer(*args)
+    assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], args, strict=True))
+    assert not kv_write.kept
+
+
+@pytest.mark.parametrize(("value", "steps", "warns"), [("", 1, False), ("4", 4, False),
+                                                       ("0", 1, True), ("65", 1, True),
+                                                       ("two", 1, True)])
+def test_the_steps_per_write_setting(monkeypatch, value, steps, warns):
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, value)
+    said: list[str] = []
+    assert dyn.draft_kv_write_steps(said.append) == steps
+    assert bool(said) == warns
+    if warns:
+        assert said[0].startswith(f"[dynspec] {dyn.DRAFT_KV_WRITE_STEPS_ENV}={value!r}")

@@ -2351,6 +2351,13 @@ DRAFT_KV_WRITE_GRAPHS_ENV = "DYNSPEC_DRAFT_KV_WRITE_GRAPHS"
 # Where the write's graphs have run on an H200, v1 and v2, with 0 mismatched greedy tokens on
 # v2 (strict KV check on): 0.5.12.post1 (2026-12-02, RESULTS.md).
 DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
+# v2: N > 1 keeps the draft KV write of N fallback steps and runs it as one (the weights of the
+# draft's ``fc`` and ``qkv``, about 200 MB for Llama-3.1-8B's EAGLE-3, read once per N steps
+# instead of once per step: on an H200 the per-step write took 0.10 ms of a 6.6 ms step at bs 64,
+# 2026-12-04); every kept step is stored before anything else runs on the draft. Default 1
+# (each step writes its own): the batched write has not run on a GPU yet.
+DRAFT_KV_WRITE_STEPS_ENV = "DYNSPEC_DRAFT_KV_WRITE_STEPS"
+MAX_DRAFT_KV_WRITE_STEPS = 64
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
 # same tensors.
@@ -2434,6 +2441,8 @@ class DraftKvWrite:
     graphs: dict[int, _WriteGraph] = dataclasses.field(default_factory=dict)
     warn: Callable[[str], None] | None = None  # says once that a capture failed
     runs: str = "eager"  # how it runs, in words
+    steps_per_write: int = 1  # fallback steps whose writes run as one (``defer``)
+    kept: list[tuple[Any, Any, Any, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def attn(self) -> Any:
@@ -2478,6 +2487,36 @@ class DraftKvWrite:
         k, v = self.compute(tokens, hidden, positions)
         self.pool.set_kv_buffer(self.attn, loc, k, v)
         return k, v
+
+    def defer(self, tokens: Any, hidden: Any, positions: Any, loc: Any) -> None:
+        """Keep this step's rows (copies: the hidden states are a graph's output buffer, which
+        the next step overwrites); store every kept step once ``steps_per_write`` are kept.
+        With one step per write, write at once."""
+        if self.steps_per_write == 1:
+            self.write(tokens, hidden, positions, loc)
+            return
+        self.kept.append((tokens.clone(), hidden.clone(), positions.clone(), loc.clone()))
+        if len(self.kept) >= self.steps_per_write:
+            self.flush()
+
+    def flush(self) -> None:
+        """Store the kept steps' K and V: computed for all their rows at once, stored step by
+        step, oldest first, so a slot freed and handed out again between two kept steps ends
+        up with the later step's, as writes at each step would have left it."""
+        kept, self.kept = self.kept, []
+        if len(kept) == 1:
+            self.write(*kept[0])
+            return
+        if not kept:
+            return
+        import torch
+
+        k, v = self.compute(*(torch.cat([step[i] for step in kept]) for i in range(3)))
+        start = 0
+        for *_, loc in kept:
+            end = start + loc.shape[0]
+            self.pool.set_kv_buffer(self.attn, loc, k[start:end], v[start:end])
+            start = end
 
     def _graph(self, tokens: Any, hidden: Any, positions: Any) -> _WriteGraph | None:
         if self.capture is None:
@@ -2625,9 +2664,27 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
         return
     adapter.draft_kv_write = kv_write
     kv_write.runs = _use_draft_kv_write_graphs(adapter, worker, kv_write)
+    if adapter.variant == "v2":
+        kv_write.steps_per_write = draft_kv_write_steps(_rank0_logger(worker, logging.WARNING))
+        if kv_write.steps_per_write > 1:
+            kv_write.runs += f"; {kv_write.steps_per_write} fallback steps' writes run as one"
     adapter.draft_kv_write_note = (
         f"draft KV write (checked at the first fallback step; {kv_write.runs})"
     )
+
+
+def draft_kv_write_steps(warn: Callable[[str], None]) -> int:
+    """``DYNSPEC_DRAFT_KV_WRITE_STEPS`` as an int in 1..64; anything else warns and gives 1."""
+    value = os.environ.get(DRAFT_KV_WRITE_STEPS_ENV, "").strip()
+    if not value:
+        return 1
+    if value.isdigit() and 1 <= int(value) <= MAX_DRAFT_KV_WRITE_STEPS:
+        return int(value)
+    warn(
+        f"[dynspec] {DRAFT_KV_WRITE_STEPS_ENV}={value!r} is not an integer in "
+        f"1..{MAX_DRAFT_KV_WRITE_STEPS}; each fallback step writes its own draft KV"
+    )
+    return 1
 
 
 def _use_draft_kv_write_graphs(adapter: Adapter, worker: Any, kv_write: DraftKvWrite) -> str:
@@ -3737,15 +3794,17 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     if adapter is None or adapter.inside_spec_step:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
-        return None
-    if _has_grammar(batch) and not adapter.grammar:
+        settle_draft_kv(adapter, worker)  # a prefill: its draft-extend stores into fresh slots
         return None
     stride = int(worker.speculative_num_draft_tokens)
-    if getattr(worker.draft_worker, "speculative_num_draft_tokens", stride) != stride:
-        return None  # mid-swap: the scheduler and the draft-extend would disagree on stride
+    if (_has_grammar(batch) and not adapter.grammar) or getattr(
+        worker.draft_worker, "speculative_num_draft_tokens", stride
+    ) != stride:  # (mid-swap: the scheduler and the draft-extend would disagree on stride)
+        settle_draft_kv(adapter, worker)
+        return None
     on_publish, grammar_barrier = kwargs.get("on_publish"), kwargs.get("grammar_barrier")
     if not _decide(adapter, batch):
-        if not _needs_a_fresh_draft_state(adapter):
+        if not _needs_a_fresh_draft_state(adapter):  # (nothing kept: see settle_draft_kv)
             return _auto_spec_step(worker, adapter, batch, kwargs)
         return _v2_step(worker, adapter, batch, on_publish, grammar_barrier, full_draft=True)
     started = _auto_start(adapter)
@@ -3858,6 +3917,18 @@ def _v2_step(
     return result
 
 
+def settle_draft_kv(adapter: Adapter | None, worker: Any) -> None:
+    """Store the draft KV writes kept from earlier fallback steps (``DraftKvWrite.defer``), as
+    anything but a write-only fallback step must first: the draft reads its KV, and a prefill
+    or a draft-extend may write slots a kept row still targets. (A speculative step always
+    comes after a step with SGLang's draft-extend, since a write-only step leaves the draft
+    state stale: that step stores them.)"""
+    kv_write = None if adapter is None else adapter.draft_kv_write
+    if kv_write is not None and kv_write.kept:
+        with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
+            kv_write.flush()
+
+
 def _v2_draft(
     worker: Any,
     adapter: Adapter,
@@ -3883,6 +3954,7 @@ def _v2_draft(
     if kv_write is not None and not kv_write.broken and not full_draft:
         stub = _draft_state_stub(draft_input)
     if kv_write is None or stub is None:  # SGLang's draft-extend alone (the write is off)
+        settle_draft_kv(adapter, worker)
         phase = _v2_draft_extend(worker, adapter, batch, result, slots, predict, hidden, width1)
         adapter.draft_state_stale = False
         return phase
@@ -3890,7 +3962,7 @@ def _v2_draft(
     tp = _draft_tp(adapter, worker)
     if kv_write.checked:
         with _draft_contexts(adapter, *tp):
-            kv_write.write(predict, hidden, batch.seq_lens, loc)
+            kv_write.defer(predict, hidden, batch.seq_lens, loc)
         next_input = result.next_draft_input
         next_input.topk_p, next_input.topk_index, next_input.hidden_states = stub
         batch.input_ids, batch.out_cache_loc = predict, loc  # as SGLang's prepare leaves them
