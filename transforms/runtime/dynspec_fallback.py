@@ -3917,13 +3917,13 @@ def _v2_step(
     return result
 
 
-def settle_draft_kv(adapter: Adapter | None, worker: Any) -> None:
+def settle_draft_kv(adapter: Adapter, worker: Any) -> None:
     """Store the draft KV writes kept from earlier fallback steps (``DraftKvWrite.defer``), as
     anything but a write-only fallback step must first: the draft reads its KV, and a prefill
     or a draft-extend may write slots a kept row still targets. (A speculative step always
     comes after a step with SGLang's draft-extend, since a write-only step leaves the draft
     state stale: that step stores them.)"""
-    kv_write = None if adapter is None else adapter.draft_kv_write
+    kv_write = adapter.draft_kv_write
     if kv_write is not None and kv_write.kept:
         with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
             kv_write.flush()
