@@ -170,6 +170,32 @@ def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_
     assert "[env-fixed-T16@2] already done" in again.stdout
 
 
+def test_a_write_n_variant_runs_the_patched_server_with_n_steps_per_draft_kv_write(tmp_path):
+    """``dyn-v2-write8``: the patched server, with DYNSPEC_DRAFT_KV_WRITE_STEPS=8 (here one
+    that exits at once: no GPU), a kind of its own beside ``dyn-v2``."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
+        'if [ "$1" = "-c" ]; then exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    home = tmp_path / "kit"
+    env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
+           "HEALTH_TIMEOUT": "5", "DEADLINE": "600"}
+    done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", "dyn-v2-write8@2",
+                           "dyn-v2"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    logs = home / "work" / "logs"
+    first = (logs / "dyn-v2-write8@2.server.log").read_text().splitlines()[0]
+    assert first.endswith("env: DYNSPEC_DRAFT_KV_WRITE_STEPS=8")
+    assert "--speculative-disable-batch-threshold 16" in first
+    plain = (logs / "dyn-v2.server.log").read_text().splitlines()[0]
+    assert "DYNSPEC_DRAFT_KV_WRITE_STEPS" not in plain
+
+
 DEFAULT_KERNELS = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
 
 
