@@ -170,9 +170,10 @@ def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_
     assert "[env-fixed-T16@2] already done" in again.stdout
 
 
-def test_a_write_n_variant_runs_the_patched_server_with_n_steps_per_draft_kv_write(tmp_path):
-    """``dyn-v2-write8``: the patched server, with DYNSPEC_DRAFT_KV_WRITE_STEPS=8 (here one
-    that exits at once: no GPU), a kind of its own beside ``dyn-v2``."""
+def test_lever_variants_run_the_patched_server_with_their_settings(tmp_path):
+    """``dyn-v2-write8``: the patched server with DYNSPEC_DRAFT_KV_WRITE_STEPS=8 (here one
+    that exits at once: no GPU), a kind of its own beside ``dyn-v2``; ``-kvprefill`` adds
+    DYNSPEC_DRAFT_PREFILL_WRITE=1, alone or after ``-writeN``."""
     stub = tmp_path / "bin" / "python"
     stub.parent.mkdir()
     stub.write_text(
@@ -185,15 +186,22 @@ def test_a_write_n_variant_runs_the_patched_server_with_n_steps_per_draft_kv_wri
     home = tmp_path / "kit"
     env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
            "HEALTH_TIMEOUT": "5", "DEADLINE": "600"}
-    done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", "dyn-v2-write8@2",
-                           "dyn-v2"], env=env, capture_output=True, text=True, timeout=120)
+    kinds = ["dyn-v2-write8@2", "dyn-v2", "dyn-v2-kvprefill", "dyn-v2-write16-kvprefill"]
+    done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", *kinds],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     logs = home / "work" / "logs"
-    first = (logs / "dyn-v2-write8@2.server.log").read_text().splitlines()[0]
-    assert first.endswith("env: DYNSPEC_DRAFT_KV_WRITE_STEPS=8")
-    assert "--speculative-disable-batch-threshold 16" in first
-    plain = (logs / "dyn-v2.server.log").read_text().splitlines()[0]
-    assert "DYNSPEC_DRAFT_KV_WRITE_STEPS" not in plain
+
+    def first_line(kind: str) -> str:
+        return (logs / f"{kind}.server.log").read_text().splitlines()[0]
+
+    assert first_line("dyn-v2-write8@2").endswith("env: DYNSPEC_DRAFT_KV_WRITE_STEPS=8")
+    assert "--speculative-disable-batch-threshold 16" in first_line("dyn-v2-write8@2")
+    assert first_line("dyn-v2").rstrip().endswith("env:")
+    assert first_line("dyn-v2-kvprefill").endswith("env: DYNSPEC_DRAFT_PREFILL_WRITE=1")
+    assert first_line("dyn-v2-write16-kvprefill").endswith(
+        "env: DYNSPEC_DRAFT_KV_WRITE_STEPS=16 DYNSPEC_DRAFT_PREFILL_WRITE=1"
+    )
 
 
 DEFAULT_KERNELS = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))

@@ -635,7 +635,8 @@ class World:
             entry = clone(
                 shape.signatures["worker.forward_batch_generation"],
                 "forward_batch_generation",
-                lambda args: None,
+                self._entry_v2,
+                note="a prefill runs the target, then the draft's pass; a decode step: None",
             )
             cls = type(
                 "EAGLEWorkerV2",
@@ -773,6 +774,53 @@ class World:
             raise RuntimeError(f"draft-extend failed at width {width}")
         draft_input = result.next_draft_input
         draft_input.hidden_states = result.logits_output.hidden_states[select]
+
+    def _entry_v2(self, args: dict[str, Any]) -> Any:
+        """EAGLEWorkerV2.forward_batch_generation: a prefill as SGLang's (``_prefill_v2``);
+        for a decode step (SGLang's speculative step, not modelled here) None."""
+        batch = next(v for k, v in args.items() if k in ("batch", "model_worker_batch"))
+        if not batch.forward_mode.is_extend():
+            return None
+        return self._prefill_v2(batch)
+
+    def _prefill_v2(self, batch: Any) -> Any:
+        """SGLang's v2 prefill: the target's forward (FULL hidden states), then
+        ``_draft_extend_for_prefill``: each request's tokens shifted by one, its last the
+        target's next token, through the draft model (which stores their draft KV), the next
+        draft state from the draft's logits. Recorded as "prefill"."""
+        hidden = target_hidden(batch.input_ids)
+        lens = torch.tensor(batch.extend_lens)
+        starts = torch.cumsum(lens, 0) - lens
+        last = starts + lens - 1
+        next_ids = target_logits(batch.input_ids[last]).argmax(-1)
+        shifted = torch.cat(
+            [
+                torch.cat([batch.input_ids[s + 1 : s + n], next_ids[i : i + 1]])
+                for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))
+            ]
+        )
+        runner = self.worker.draft_worker.draft_runner
+        forward_batch = types.SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            spec_info=types.SimpleNamespace(hidden_states=hidden),
+            out_cache_loc=batch.out_cache_loc,
+            positions=batch.positions,
+            token_to_kv_pool=runner.token_to_kv_pool,
+            extend_start_loc=starts,
+            extend_seq_lens=lens,
+            mm_input_embeds=getattr(batch, "mm_input_embeds", None),
+        )
+        draft_out = runner.model.forward(shifted, batch.positions, forward_batch)
+        probs = torch.softmax(draft_out.next_token_logits, dim=-1)
+        topk_p, topk_index = probs.topk(1, dim=-1)
+        self.recorder.add("prefill", shifted=shifted, slots=batch.out_cache_loc.clone())
+        return types.SimpleNamespace(
+            next_token_ids=next_ids,
+            logits_output=types.SimpleNamespace(hidden_states=hidden),
+            next_draft_input=types.SimpleNamespace(
+                topk_p=topk_p, topk_index=topk_index, hidden_states=draft_out.hidden_states
+            ),
+        )
 
     # -- batch ------------------------------------------------------------------------------
 
@@ -1094,6 +1142,7 @@ class LlamaAttention(torch.nn.Module):
         super().__init__()
         self.q_size, self.kv_size = DRAFT_HEADS * HEAD_DIM, DRAFT_KV_HEADS * HEAD_DIM
         self.qkv_proj = torch.nn.Linear(in_width, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = torch.nn.Linear(self.q_size, DRAFT_HIDDEN, bias=False)
         self.rotary_emb = RotaryEmbedding()
         self.attn = RadixAttention(layer_id=0)
 
@@ -1112,7 +1161,7 @@ class LlamaAttention(torch.nn.Module):
             k.view(-1, attn.tp_k_head_num, attn.qk_head_dim),
             v.view(-1, attn.tp_v_head_num, attn.v_head_dim),
         )
-        return q  # what attention returns is not what a KV write is about
+        return self.o_proj(q)  # (not attention: what it returns is not what a KV write is about)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -1149,10 +1198,32 @@ class LlamaModel(torch.nn.Module):
         self.input_norm = RMSNorm(HIDDEN, 3.0) if input_norm else None
         self.layers = torch.nn.ModuleList([LlamaDecoderLayer()])
         self.is_mrope_enabled = False
+        self.passes = 0
 
-    def forward_draft_extend(self, input_ids, positions, hidden_states, pool, out_cache_loc):
+    def forward(
+        self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None
+    ):
+        """llama_eagle3.LlamaModel.forward: the draft pass of a prefill, its K and V stored
+        through the attention; (last hidden state, [auxiliary one]). Counted in ``passes``."""
+        self.passes += 1
+        if input_embeds is None:
+            input_embeds = getattr(forward_batch, "mm_input_embeds", None)
+        hidden = self.forward_draft_extend(
+            input_ids,
+            positions,
+            forward_batch.spec_info.hidden_states,
+            forward_batch.token_to_kv_pool,
+            forward_batch.out_cache_loc,
+            embeds=input_embeds,
+        )
+        return hidden, [hidden]
+
+    def forward_draft_extend(
+        self, input_ids, positions, hidden_states, pool, out_cache_loc, embeds=None
+    ):
         fb = types.SimpleNamespace(pool=pool, out_cache_loc=out_cache_loc)
-        embeds = self.embed_tokens(input_ids.long())
+        if embeds is None:
+            embeds = self.embed_tokens(input_ids.long())
         if hidden_states.shape[-1] != embeds.shape[-1]:  # (0.5.10 has neither norm)
             if getattr(self, "input_norm", None) is not None:
                 hidden_states = self.input_norm(hidden_states)
@@ -1167,6 +1238,23 @@ class LlamaModel(torch.nn.Module):
         for layer in self.layers:
             hidden_states, residual = layer(positions, embeds, hidden_states, fb, residual)
         return hidden_states
+
+
+class DraftCausalLM:
+    """llama_eagle3.LlamaForCausalLMEagle3: its LlamaModel (``model``, called as a module, so
+    an instance ``forward`` takes its place), then the LM head over each request's last token
+    (LAST capture: those tokens' hidden states travel on)."""
+
+    def __init__(self, **model_kwargs: Any) -> None:
+        self.model = LlamaModel(**model_kwargs)
+        self.lm_head = torch.nn.Linear(DRAFT_HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids, positions, forward_batch) -> Any:
+        hidden, aux = self.model(input_ids, positions, forward_batch, None)
+        last = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+        return types.SimpleNamespace(
+            next_token_logits=self.lm_head(hidden[last]), hidden_states=aux[0][last]
+        )
 
 
 class MHATokenToKVPool:
@@ -1232,6 +1320,22 @@ def new_decode_batch(world: World, bs: int, seq_len: int) -> Any:
     return world.batch
 
 
+def new_prefill_batch(world: World, extend_lens: list[int], first_slot: int = 6000) -> Any:
+    """A prefill batch of requests adding ``extend_lens`` tokens to empty contexts, into
+    consecutive slots from ``first_slot``."""
+    batch = _V2Batch()
+    tokens = sum(extend_lens)
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.is_extend_in_batch = False
+    batch.extend_lens = list(extend_lens)
+    batch.input_ids = (torch.arange(tokens, dtype=torch.int64) * 5 + 3) % VOCAB
+    batch.positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in extend_lens])
+    batch.seq_lens = torch.tensor(extend_lens, dtype=torch.int64)
+    batch.out_cache_loc = torch.arange(tokens, dtype=torch.int64) + first_slot
+    batch.spec_info = None
+    return batch
+
+
 def draft_runner(world: World) -> Any:
     """The draft model runner of ``world``'s worker (v1: the worker's own, v2: its draft
     worker's)."""
@@ -1243,7 +1347,7 @@ def draft_runner(world: World) -> Any:
 def give_draft_model(world: World, **model_kwargs: Any) -> Any:
     """Attach a one-layer EAGLE-3 draft model and a KV pool to ``world``'s draft runner."""
     runner = draft_runner(world)
-    runner.model = types.SimpleNamespace(model=LlamaModel(**model_kwargs))
+    runner.model = DraftCausalLM(**model_kwargs)
     runner.token_to_kv_pool = MHATokenToKVPool()
     runner.attn_backend = types.SimpleNamespace(dcp_size=1)
     return runner

@@ -1451,6 +1451,9 @@ class Adapter:
     # v2: the draft KV write of fallback steps (None: SGLang's draft-extend), and why.
     draft_kv_write: DraftKvWrite | None = None
     draft_kv_write_note: str = ""
+    # v2: a prefill in fallback stores the draft's K and V only (None: SGLang's draft pass).
+    draft_prefill_write: DraftPrefillWrite | None = None
+    draft_prefill_write_note: str = ""
     # v1: write-only fallback steps of greedy batches do verify()'s bookkeeping themselves
     # (``one_token_verify``), and why or why not.
     one_token_verify: bool = False
@@ -1461,8 +1464,9 @@ class Adapter:
     # v2: the last decode step handed on a stale draft state (a draft KV write step): the next
     # speculative step must wait for a fallback step that runs SGLang's draft-extend.
     draft_state_stale: bool = False
-    # auto: set while the worker's own speculative step runs inside the hook (re-entry).
-    inside_spec_step: bool = False
+    # Set while the worker's own entry runs inside the hook (auto's speculative step, a
+    # prefill with ``draft_prefill_write``): the re-entered hook answers None.
+    reentered: bool = False
 
     def tp_group(self, worker: Any) -> Any:
         """This server's TP group (``tp_group_of``)."""
@@ -1814,6 +1818,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     if variant == "v1":
         _prepare_one_token_verify(adapter, worker)
     else:
+        _prepare_draft_prefill_write(adapter)
         _prepare_greedy_argmax(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
@@ -2358,6 +2363,11 @@ DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
 # (each step writes its own): the batched write has not run on a GPU yet.
 DRAFT_KV_WRITE_STEPS_ENV = "DYNSPEC_DRAFT_KV_WRITE_STEPS"
 MAX_DRAFT_KV_WRITE_STEPS = 64
+# v2: "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
+# tokens only (``DraftPrefillWrite``); "0" or unset: SGLang's whole draft pass (it has not run
+# on a GPU yet). On an H200 the draft's prefill pass took about 19 ms of GPU per 64 prompts of
+# 256 tokens at c = 64, two thirds of it attention and MLP (2026-12-04, RESULTS.md).
+DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
 # same tensors.
@@ -2709,6 +2719,75 @@ def _use_draft_kv_write_graphs(adapter: Adapter, worker: Any, kv_write: DraftKvW
     kv_write.graph_sizes = list(adapter.decode_graphs.batch_sizes)
     kv_write.warn = _rank0_logger(worker, logging.WARNING)
     return f"CUDA graphs for bs {kv_write.graph_sizes}, captured by the warm-up or at first use"
+
+
+@dataclass
+class DraftPrefillWrite:
+    """A prefill's draft pass as the draft KV write of its tokens, while fallback steps run.
+
+    SGLang runs the draft over every token a prefill adds (its attention, MLP and LM head), so
+    that the next step can draft. While the server runs fallback steps no step drafts from
+    that, and what a later speculative step reads of it is the draft KV of each position: the
+    draft KV write's computation (``DraftKvWrite``) over the tokens and target hidden states
+    SGLang's draft pass was given (its inputs shifted by one, each request's last token the
+    target's next one). The draft model's ``forward`` answers the rest with zeros: the draft
+    state SGLang makes from them is stale (``Adapter.draft_state_stale``), and the step before
+    speculation resumes runs SGLang's draft-extend.
+
+    ``checked`` turns True once a real prefill's K and V matched what SGLang's own draft pass
+    stored for the same tokens; until then every prefill runs that pass, and a mismatch
+    (``broken``) keeps it for the rest of the process.
+    """
+
+    kv_write: DraftKvWrite
+    checked: bool = False
+    broken: str = ""
+
+    def takes(self, input_ids: Any, forward_batch: Any, input_embeds: Any) -> bool:
+        """Whether this draft pass is one the write reproduces: the tokens of an extend, a
+        target hidden state and a slot for each, no embeddings given in their place
+        (multimodal inputs, ``input_embeds``). Anything else runs SGLang's pass."""
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None or mode.is_idle() or not mode.is_extend() or input_embeds is not None:
+            return False
+        if getattr(forward_batch, "mm_input_embeds", None) is not None:
+            return False
+        contains_mm = getattr(forward_batch, "contains_mm_inputs", None)
+        if callable(contains_mm) and contains_mm():
+            return False
+        hidden = getattr(getattr(forward_batch, "spec_info", None), "hidden_states", None)
+        loc = getattr(forward_batch, "out_cache_loc", None)
+        rows = int(input_ids.shape[0])
+        return (
+            rows > 0
+            and hidden is not None
+            and int(hidden.shape[0]) == rows
+            and loc is not None
+            and int(loc.shape[0]) == rows
+        )
+
+    def placeholder(self, rows: int) -> tuple[Any, list[Any]]:
+        """What the draft's LlamaModel returns (its last hidden state, the auxiliary one), as
+        zeros for ``rows`` tokens: never drafted from, only given shapes (one row, expanded)."""
+        weight = self.kv_write.inner.embed_tokens.weight
+        zeros = weight.new_zeros((1, weight.shape[-1])).expand(rows, -1)
+        return zeros, [zeros]
+
+
+def _prepare_draft_prefill_write(adapter: Adapter) -> None:
+    """Take the prefill write where it is turned on and the draft KV write is there."""
+    if not lever_on(DRAFT_PREFILL_WRITE_ENV, False):
+        adapter.draft_prefill_write_note = (
+            f"off ({DRAFT_PREFILL_WRITE_ENV}=1 turns it on; it has not run on a GPU)"
+        )
+        return
+    if adapter.draft_kv_write is None:
+        adapter.draft_prefill_write_note = "SGLang's draft pass (no draft KV write)"
+        return
+    adapter.draft_prefill_write = DraftPrefillWrite(adapter.draft_kv_write)
+    adapter.draft_prefill_write_note = (
+        "prefills in fallback store the draft KV only (checked at the first one)"
+    )
 
 
 def _draft_state_stub(draft_input: Any) -> tuple[Any, Any, Any] | None:
@@ -3246,11 +3325,11 @@ def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str,
     bs = len(batch.seq_lens)
     entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
     started = adapter.controller.start_step()
-    adapter.inside_spec_step = True
+    adapter.reentered = True
     try:
         result = entry(batch, **kwargs)
     finally:
-        adapter.inside_spec_step = False
+        adapter.reentered = False
     source = adapter.controller.source
     reader = _tokens_per_request_reader(adapter, result, bs) if source else _no_acceptance
     _auto_finish(adapter, started, bs, reader)
@@ -3326,7 +3405,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     controller chose to speculate.
     """
     adapter = _adapter_for(worker, "v1")
-    if adapter is None or adapter.inside_spec_step:
+    if adapter is None or adapter.reentered:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
         return None
@@ -3791,10 +3870,12 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     refused, so it is always None here).
     """
     adapter = _adapter_for(worker, "v2")
-    if adapter is None or adapter.inside_spec_step:
+    if adapter is None or adapter.reentered:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
-        settle_draft_kv(adapter, worker)  # a prefill: its draft-extend stores into fresh slots
+        settle_draft_kv(adapter, worker)  # a prefill: its draft pass stores into fresh slots
+        if _prefill_stores_draft_kv_only(adapter, batch):
+            return _v2_prefill(worker, adapter, batch, kwargs)
         return None
     stride = int(worker.speculative_num_draft_tokens)
     if (_has_grammar(batch) and not adapter.grammar) or getattr(
@@ -3927,6 +4008,88 @@ def settle_draft_kv(adapter: Adapter, worker: Any) -> None:
     if kv_write is not None and kv_write.kept:
         with _draft_contexts(adapter, *_draft_tp(adapter, worker)):
             kv_write.flush()
+
+
+def _prefill_stores_draft_kv_only(adapter: Adapter, batch: Any) -> bool:
+    """Whether this prefill runs with ``DraftPrefillWrite``: turned on, not broken, the draft
+    KV write checked on this server, and fallback steps running (a prefill while speculating
+    keeps SGLang's draft pass: the next step drafts from it)."""
+    prefill = adapter.draft_prefill_write
+    if prefill is None or prefill.broken or not adapter.controller.in_fallback:
+        return False
+    kv_write = prefill.kv_write
+    return kv_write.checked and not kv_write.broken and bool(batch.forward_mode.is_extend())
+
+
+def _v2_prefill(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
+    """The worker's own prefill, run from here with the draft model's ``forward`` replaced for
+    its duration: each draft pass the prefill write takes stores K and V and returns zeros
+    (the first also runs SGLang's pass and is compared with it). The re-entered hook answers
+    None."""
+    prefill = adapter.draft_prefill_write
+    assert prefill is not None
+    inner = prefill.kv_write.inner
+    sglang_forward = inner.forward
+    written: list[tuple[Any, Any, Any]] = []  # (K, V, slots) of each pass it took
+
+    def forward(input_ids: Any, positions: Any, forward_batch: Any, *args: Any, **kw: Any):
+        embeds = args[0] if args else kw.get("input_embeds")
+        if not prefill.takes(input_ids, forward_batch, embeds):
+            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+        loc = forward_batch.out_cache_loc
+        hidden = forward_batch.spec_info.hidden_states
+        k, v = prefill.kv_write.write(input_ids, hidden, positions, loc)
+        written.append((k, v, loc))
+        if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
+            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+        return prefill.placeholder(int(input_ids.shape[0]))
+
+    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
+    adapter.reentered = True  # (the worker enters the draft's TP context around its pass)
+    inner.forward = forward
+    try:
+        result = entry(batch, **kwargs)
+    finally:
+        del inner.forward  # SGLang's own again
+        adapter.reentered = False
+    if written and not prefill.checked:
+        _check_draft_prefill_write(worker, adapter, prefill, written)
+    elif written:
+        adapter.draft_state_stale = True
+    return result
+
+
+def _check_draft_prefill_write(
+    worker: Any, adapter: Adapter, prefill: DraftPrefillWrite, written: list[tuple[Any, Any, Any]]
+) -> None:
+    """Compare the prefill write with what SGLang's draft pass just stored (once; one host
+    sync and, with TP, one CPU all-reduce); every rank keeps or drops it together."""
+    try:
+        results = [prefill.kv_write.matches(k, v, loc) for k, v, loc in written]
+        ok = all(matched for matched, _ in results)
+        detail = "; ".join(d for _, d in results)
+    except Exception as exc:  # cannot read the pool back: stay with SGLang's pass
+        ok, detail = False, f"reading the KV pool back raised {type(exc).__name__}: {exc}"
+    if not _all_ranks_agree(adapter.tp_group(worker), ok) and ok:
+        ok, detail = False, f"{detail}; another TP rank's differed"
+    tokens = sum(int(loc.shape[0]) for *_, loc in written)
+    if ok:
+        prefill.checked = True
+        adapter.draft_prefill_write_note = (
+            f"prefills in fallback store the draft KV only (checked over {tokens} tokens: "
+            f"{detail})"
+        )
+        _rank0_logger(worker)(
+            f"[dynspec] draft prefill write matches SGLang's draft pass over {tokens} tokens "
+            f"({detail}): prefills while fallback steps run now store the draft KV only"
+        )
+        return
+    prefill.broken = detail
+    adapter.draft_prefill_write_note = f"SGLang's draft pass (the prefill write differed: {detail})"
+    _rank0_logger(worker, logging.WARNING)(
+        f"[dynspec] draft prefill write differs from SGLang's draft pass over {tokens} tokens "
+        f"({detail}); prefills keep SGLang's draft pass"
+    )
 
 
 def _v2_draft(

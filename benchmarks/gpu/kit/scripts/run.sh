@@ -18,6 +18,8 @@
 #       0.3-0.8 % of throughput at c >= 64 on an H200, 2026-12-04: off unless asked for);
 #       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before);
 #       dyn-v2-writeN: DYNSPEC_DRAFT_KV_WRITE_STEPS=N (N fallback steps' draft KV writes as one);
+#       *-kvprefill: DYNSPEC_DRAFT_PREFILL_WRITE=1 (a prefill in fallback stores the draft KV
+#       only); the two combine: dyn-v2-write8-kvprefill;
 #       native-v2 (0.5.14+): pristine tree + the flags `dynspec-patch apply --route native` gives
 #       (SGLang's own --speculative-adaptive with a steps-0 config above T)
 #   check-base | check-eagle-v2 | check-dyn-v2 | check-dyn-v1                  greedy checks on
@@ -162,8 +164,10 @@ session)
         [ -n "${STEP_PROFILE:-}" ] && envs+=(DYNSPEC_PROFILE="$STEP_PROFILE")
         [ -n "${VARIANT_ENV:-}" ] && envs+=(${VARIANT_ENV})
         case "$V" in *v1*) spec+=(--disable-overlap-schedule);; esac
-        case "$KIND" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);;
-          *-write[0-9]*) envs+=(DYNSPEC_DRAFT_KV_WRITE_STEPS="${KIND##*-write}");; esac;;
+        case "$KIND" in *eager) envs+=(DYNSPEC_DECODE_GRAPHS=0);; esac
+        case "$KIND" in *-write[0-9]*) n=${KIND##*-write}
+          envs+=(DYNSPEC_DRAFT_KV_WRITE_STEPS="${n%%[!0-9]*}");; esac
+        case "$KIND" in *-kvprefill*) envs+=(DYNSPEC_DRAFT_PREFILL_WRITE=1);; esac;;
       env-base) spec=();;
       env-eagle) ;;
       env-fixed-T*|env-auto)

@@ -1,0 +1,334 @@
+"""A prefill's draft pass as K and V only while fallback steps run (``DraftPrefillWrite``).
+
+The stand-in worker runs a prefill the way SGLang's v2 worker does (``World._prefill_v2``):
+the target's forward, then the draft model over the shifted tokens, which stores their draft
+KV through its attention. With ``DYNSPEC_DRAFT_PREFILL_WRITE=1`` and fallback steps running,
+the runtime re-enters that prefill with the draft model's ``forward`` replaced: the first such
+prefill runs both and compares them, later ones store K and V alone and leave the draft state
+stale, so the step before speculation resumes runs SGLang's draft-extend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+
+pytestmark = pytest.mark.torch
+
+N = 4  # speculative_num_draft_tokens of the stand-in server
+RELEASES = ["0.5.12.post1", "0.5.13.post1", "0.5.17", "0.5.23"]
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    from tests.runtime.standins import read_shape
+
+    return {v: read_shape(v, "v2") for v in RELEASES}
+
+
+@pytest.fixture(autouse=True)
+def _levers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    monkeypatch.setenv(dyn.DRAFT_PREFILL_WRITE_ENV, "1")
+
+
+def make_world(shapes: Any, version: str = "0.5.17") -> Any:
+    from tests.runtime.standins import World, draft_state, give_draft_model
+
+    world = World(
+        shapes[version],
+        threshold=2,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=N,
+        speculative_disable_min_dwell_steps=1,
+    )
+    give_draft_model(world)
+    draft_state(world.batch)
+    return world
+
+
+def step(world: Any, bs: int, seq_len: int) -> Any:
+    from tests.runtime.standins import new_decode_batch
+
+    return dyn.maybe_fallback_v2(world.worker, new_decode_batch(world, bs, seq_len))
+
+
+def prefill(world: Any, extend_lens: list[int], first_slot: int, **batch_fields: Any) -> Any:
+    from tests.runtime.standins import new_prefill_batch
+
+    batch = new_prefill_batch(world, extend_lens, first_slot)
+    for name, value in batch_fields.items():
+        setattr(batch, name, value)
+    return dyn.maybe_fallback_v2(world.worker, batch)
+
+
+def in_fallback_and_checked(world: Any) -> None:
+    """One fallback step: the server runs fallback steps, its draft KV write checked."""
+    step(world, 3, 10)
+    assert adapter_of(world).draft_kv_write.checked
+
+
+def adapter_of(world: Any) -> Any:
+    return dyn._adapters[type(world.worker)]
+
+
+def inner_model(world: Any) -> Any:
+    from tests.runtime.standins import draft_runner
+
+    return draft_runner(world).model.model
+
+
+def sglang_pass_kv(shapes: Any, version: str, extend_lens: list[int], first_slot: int) -> Any:
+    """(K, V) SGLang's own draft pass stores for this prefill, on a server without the lever."""
+    from tests.runtime.standins import new_prefill_batch, stored_draft_kv
+
+    reference = make_world(shapes, version)
+    batch = new_prefill_batch(reference, extend_lens, first_slot)
+    reference._prefill_v2(batch)
+    return stored_draft_kv(reference, batch.out_cache_loc)
+
+
+def prefill_lines(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "draft prefill write" in r.getMessage()]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_in_fallback_a_prefill_stores_the_draft_kv_alone_once_checked(shapes, version, caplog):
+    import torch
+
+    from tests.runtime.standins import new_prefill_batch, stored_draft_kv
+
+    world = make_world(shapes, version)
+    in_fallback_and_checked(world)
+    model = inner_model(world)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        checking = prefill(world, [3, 5], 6000)  # both passes, compared
+        assert model.passes == 1 and not adapter_of(world).draft_state_stale
+        result = prefill(world, [4, 2], 7000)  # K and V alone
+
+    assert model.passes == 1  # SGLang's pass did not run for the second prefill
+    assert prefill_lines(caplog) == [
+        "[dynspec] draft prefill write matches SGLang's draft pass over 8 tokens (max |dK| 0 "
+        f"of {_largest(world, 6000, 8, 'k')}, max |dV| 0 of {_largest(world, 6000, 8, 'v')}): "
+        "prefills while fallback steps run now store the draft KV only"
+    ]
+    slots = new_prefill_batch(world, [4, 2], 7000).out_cache_loc
+    k, v = stored_draft_kv(world, slots)
+    want_k, want_v = sglang_pass_kv(shapes, version, [4, 2], 7000)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert k.abs().sum() > 0  # written, not left at zero
+    # The prefill's result is the worker's own, its draft state made from zeros: stale.
+    assert checking is not None and result is not None
+    assert result.next_token_ids.shape == (2,)
+    assert torch.equal(result.next_draft_input.hidden_states, torch.zeros(2, 2))
+    assert adapter_of(world).draft_state_stale
+    assert "forward" not in vars(model) and not adapter_of(world).reentered
+
+
+def _largest(world: Any, first_slot: int, tokens: int, which: str) -> str:
+    """The largest magnitude of the K or V the pool holds at ``tokens`` slots from
+    ``first_slot``, as the check's line writes it."""
+    import torch
+
+    from tests.runtime.standins import stored_draft_kv
+
+    k, v = stored_draft_kv(world, torch.arange(tokens, dtype=torch.int64) + first_slot)
+    return f"{float((k if which == 'k' else v).abs().max()):.3g}"
+
+
+def test_speculation_after_a_kv_only_prefill_waits_for_one_step_with_the_draft_extend(shapes):
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)
+    prefill(world, [3], 7000)
+    assert adapter_of(world).draft_state_stale
+    extends = len([n for n, _ in world.recorder.events if n == "draft_extend_v2"])
+    result = step(world, 1, 12)  # the batch dropped: speculation would resume
+    assert result is not None  # a fallback step ran first, with SGLang's draft-extend
+    assert len([n for n, _ in world.recorder.events if n == "draft_extend_v2"]) == extends + 1
+    assert not adapter_of(world).draft_state_stale
+
+
+def test_while_speculating_a_prefill_keeps_sglangs_draft_pass(shapes):
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    step(world, 1, 11)  # one fallback step with the draft-extend, then speculation resumes
+    step(world, 1, 12)
+    assert not adapter_of(world).controller.in_fallback
+    assert prefill(world, [3], 6000) is None  # SGLang's own prefill, the hook not involved
+    assert not adapter_of(world).draft_state_stale
+
+
+def test_before_the_draft_kv_write_is_checked_a_prefill_keeps_sglangs_pass(shapes):
+    """In fallback, but the draft KV write not yet checked (the fallback steps so far came
+    with a draft input it cannot hand on, so they ran SGLang's draft-extend alone)."""
+    from tests.runtime.standins import new_decode_batch
+
+    world = make_world(shapes)
+    batch = new_decode_batch(world, 3, 10)
+    batch.spec_info.topk_p = None
+    assert dyn.maybe_fallback_v2(world.worker, batch) is not None  # a fallback step
+    adapter = adapter_of(world)
+    assert adapter.controller.in_fallback and not adapter.draft_kv_write.checked
+    assert prefill(world, [3], 6000) is None
+    assert inner_model(world).passes == 0  # the hook did not run the prefill
+    assert not adapter.draft_prefill_write.checked
+
+
+@pytest.mark.parametrize("value", [None, "0", "yes"])
+def test_off_unless_turned_on(shapes, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(dyn.DRAFT_PREFILL_WRITE_ENV)
+    else:
+        monkeypatch.setenv(dyn.DRAFT_PREFILL_WRITE_ENV, value)
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    assert prefill(world, [3], 6000) is None
+    assert adapter_of(world).draft_prefill_write is None
+    assert adapter_of(world).draft_prefill_write_note == (
+        "off (DYNSPEC_DRAFT_PREFILL_WRITE=1 turns it on; it has not run on a GPU)"
+    )
+
+
+def test_without_the_draft_kv_write_it_is_not_taken(shapes, monkeypatch):
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "0")
+    world = make_world(shapes)
+    step(world, 3, 10)
+    assert prefill(world, [3], 6000) is None
+    assert adapter_of(world).draft_prefill_write is None
+    assert adapter_of(world).draft_prefill_write_note == "SGLang's draft pass (no draft KV write)"
+
+
+def test_a_draft_pass_the_write_does_not_reproduce_is_refused_for_good(shapes, caplog):
+    """SGLang's prefill pass here stores K and V of shifted embeddings (the decode steps'
+    draft-extend does not): the check fails, and every later prefill runs SGLang's pass."""
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    model = inner_model(world)
+    real = model.forward_draft_extend
+
+    def shifted(input_ids, positions, hidden_states, pool, out_cache_loc, embeds=None):
+        embeds = model.embed_tokens(input_ids.long()) + 0.3
+        return real(input_ids, positions, hidden_states, pool, out_cache_loc, embeds=embeds)
+
+    model.forward_draft_extend = shifted  # (the model's forward calls it)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert prefill(world, [3, 5], 6000) is not None  # both passes, compared
+        assert prefill(world, [2], 7000) is None  # SGLang's own prefill
+    assert model.passes == 1
+    prefill_write = adapter_of(world).draft_prefill_write
+    assert prefill_write.broken.startswith("max |dK| ")
+    (line,) = prefill_lines(caplog)
+    assert line.startswith("[dynspec] draft prefill write differs from SGLang's draft pass over 8")
+    assert line.endswith("; prefills keep SGLang's draft pass")
+    assert not adapter_of(world).draft_state_stale
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"mm_input_embeds": True}, {"contains_mm_inputs": lambda: True}],
+    ids=["mm-embeds", "mm-inputs"],
+)
+def test_a_multimodal_prefill_runs_sglangs_pass(shapes, monkeypatch, fields):
+    import torch
+
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)  # checked
+    model = inner_model(world)
+    original = world._prefill_v2
+
+    def with_fields(batch):  # SGLang copies these onto the draft's forward batch
+        real_forward = world.worker.draft_worker.draft_runner.model.forward
+
+        def forward(input_ids, positions, forward_batch):
+            if "mm_input_embeds" in fields:
+                forward_batch.mm_input_embeds = torch.zeros(len(input_ids), 2)
+            else:
+                forward_batch.contains_mm_inputs = fields["contains_mm_inputs"]
+            return real_forward(input_ids, positions, forward_batch)
+
+        world.worker.draft_worker.draft_runner.model.forward = forward
+        try:
+            return original(batch)
+        finally:
+            world.worker.draft_worker.draft_runner.model.forward = real_forward
+
+    monkeypatch.setattr(world, "_prefill_v2", with_fields)
+    assert prefill(world, [2], 7000) is not None  # re-entered, but SGLang's pass ran
+    assert model.passes == 2
+    assert not adapter_of(world).draft_state_stale
+
+
+def test_the_model_gets_its_forward_back_when_the_prefill_raises(shapes, monkeypatch):
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)
+
+    def fails(batch):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(world, "_prefill_v2", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prefill(world, [2], 7000)
+    assert "forward" not in vars(inner_model(world))
+    assert not adapter_of(world).reentered
+
+
+def test_kept_fallback_writes_are_stored_before_a_kv_only_prefill(shapes, monkeypatch):
+    """With batched writes, the kept rows go to the pool before the prefill's own."""
+    from tests.runtime.standins import draft_runner
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, "8")
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)  # checked
+    step(world, 3, 11)  # kept
+    pool = draft_runner(world).token_to_kv_pool
+    stores = len(pool.writes)
+    prefill(world, [2], 7000)
+    assert [loc.shape[0] for loc in pool.writes[stores:]] == [3, 2]
+    assert not adapter_of(world).draft_kv_write.kept
+
+
+def test_with_tp_the_check_must_pass_on_every_rank(shapes, caplog):
+    import types
+
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    world.worker.target_worker.model_runner.tp_group = types.SimpleNamespace(world_size=2)
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        prefill(world, [3], 6000)
+    assert adapter_of(world).draft_prefill_write.broken.endswith("; another TP rank's differed")
+    assert prefill(world, [2], 7000) is None
+
+
+def test_the_prefill_it_runs_passes_through_the_patched_entrys_hook(shapes, monkeypatch):
+    """The patched worker's entry calls the hook first: re-entered from ``_v2_prefill``, the
+    hook answers None and the worker's own prefill runs (once)."""
+    world = make_world(shapes)
+    worker_cls = type(world.worker)
+    own_entry = worker_cls.forward_batch_generation
+    hook_answers: list[Any] = []
+
+    def patched_entry(self, batch, *args, **kwargs):
+        answer = dyn.maybe_fallback_v2(self, batch, **kwargs)
+        hook_answers.append(answer)
+        if answer is not None:
+            return answer
+        return own_entry(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(worker_cls, "forward_batch_generation", patched_entry)
+    in_fallback_and_checked(world)
+    hook_answers.clear()
+    from tests.runtime.standins import new_prefill_batch
+
+    for first_slot in (6000, 7000):  # the checking prefill, then one with K and V alone
+        result = world.worker.forward_batch_generation(new_prefill_batch(world, [3], first_slot))
+        assert result is not None
+    assert [a is None for a in hook_answers] == [True, False, True, False]
+    assert len([n for n, _ in world.recorder.events if n == "prefill"]) == 2
