@@ -168,16 +168,17 @@ def idle_gaps(kernels, origin):
     return gaps
 
 
+def busy_fraction(whole):
+    return round(whole["gpu_busy_ms"] / whole["wall_ms"], 3) if whole["wall_ms"] else None
+
+
 def steps_report(kernels):
-    spans = [(s, e) for s, e, _ in kernels]
-    wall_us = max(e for _, e in spans) - min(s for s, _ in spans)
-    busy_us = union_us(spans)
+    whole = span(kernels)
     return dict(
-        wall_ms=round(wall_us / 1000, 3),
-        gpu_busy_ms=round(busy_us / 1000, 3),
-        gpu_busy_fraction=round(busy_us / wall_us, 3) if wall_us else None,
-        wall_ms_per_step=round(wall_us / 1000 / a.steps, 3),
-        gpu_busy_ms_per_step=round(busy_us / 1000 / a.steps, 3),
+        **whole,
+        gpu_busy_fraction=busy_fraction(whole),
+        wall_ms_per_step=round(whole["wall_ms"] / a.steps, 3),
+        gpu_busy_ms_per_step=round(whole["gpu_busy_ms"] / a.steps, 3),
         top_kernels=top_kernels(kernels),
     )
 
@@ -197,9 +198,7 @@ def wave_report(kernels):
     return dict(
         **whole,
         **steps_outside(kernels),
-        gpu_busy_fraction=round(whole["gpu_busy_ms"] / whole["wall_ms"], 3)
-        if whole["wall_ms"]
-        else None,
+        gpu_busy_fraction=busy_fraction(whole),
         prefill_phase=dict(
             **span(prefill), kernels=len(prefill), top_kernels=top_kernels(prefill, 15)
         ),
