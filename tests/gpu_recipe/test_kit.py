@@ -329,6 +329,37 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
     assert len(SweepStub.flushes) == len(levels)
 
 
+def test_a_closed_loop_with_a_length_spread_asks_each_prompt_for_its_own_length(
+    stub_url, tmp_path
+):
+    """--olen-spread 0.5: each prompt of the pool its own length in olen * (1 +- 0.5), the
+    same on every server (two runs agree), so the requests do not run in waves."""
+    def closed_loop(name: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), name,
+               "--levels", "4", "--greedy", "1", "--olen", "40", "--duration", "0.3",
+               "--olen-spread", "0.5"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        return json.loads(out.read_text())
+
+    first, second = closed_loop("a"), closed_loop("b")
+    (level,) = first["levels"]
+    assert level["olen_spread"] == 0.5
+    assert level["output_tokens"] != 40 * level["requests"]
+    firsts = [len(ids) for ids in first["greedy_at_max_conc"]]
+    assert all(20 <= n <= 60 for n in firsts) and len(set(firsts)) > 1
+    assert firsts == [len(ids) for ids in second["greedy_at_max_conc"]]
+
+
+def test_a_length_spread_outside_0_to_1_is_refused(stub_url, tmp_path):
+    cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url,
+           str(tmp_path / "x.json"), "x", "--olen-spread", "1.0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("--olen-spread must be in [0, 1), got 1.0")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_one_wave_levels_run_at_each_output_length(stub_url, tmp_path):
     out = tmp_path / "waves.json"
     cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",

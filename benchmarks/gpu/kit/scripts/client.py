@@ -26,6 +26,10 @@
 # --duration a level is one wave of c requests sent together, and the wave's wall at two lengths
 # splits it into a fixed part (the prefill of c prompts and the steps around it) and a per-token
 # part (one decode step of c requests): benchmarks/gpu/wave_fit.py fits the two per server.
+# --olen-spread s: in closed loops, each prompt of the pool asks for olen * (1 +- s) tokens (one
+# seeded draw per prompt, the same on every server), so the c requests never run in step: with
+# equal lengths they start and finish together in waves, and a level moves by several percent
+# when its waves fall out of step (benchmarks/gpu/batch_lines.py, RESULTS.md 2026-12-05).
 import argparse
 import http.client
 import json
@@ -84,6 +88,14 @@ def run(reqs, conc, olen=None):
     return res, time.perf_counter() - t0
 
 
+def pool_lengths(rng, size, olen, spread):
+    """Each prompt's new tokens in a closed loop: ``olen``, or with ``spread`` s one draw each
+    from olen * (1 +- s), the same for every server given the same seed."""
+    if not spread:
+        return [olen] * size
+    return [max(1, round(olen * rng.uniform(1.0 - spread, 1.0 + spread))) for _ in range(size)]
+
+
 def run_for(seed, conc, duration, olen=None):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
@@ -94,12 +106,13 @@ def run_for(seed, conc, duration, olen=None):
     t0 = time.perf_counter()
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
+    lengths = pool_lengths(rng, len(pool), olen or a.olen, a.olen_spread)
     by_prompt = {}
 
     def client(k):
         done, i = [], k
         while time.perf_counter() - t0 < duration:
-            r = gen(pool[i % len(pool)], olen)
+            r = gen(pool[i % len(pool)], lengths[i % len(pool)])
             by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
             done.append(r)
             i += conc
@@ -184,7 +197,12 @@ def parse(argv):
     ap.add_argument("--duration", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--keep-cache", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--olen-spread", type=float, default=0.0,
+                    help="closed loops (--duration): each prompt's length olen * (1 +- s)")
+    parsed = ap.parse_args(argv)
+    if not 0.0 <= parsed.olen_spread < 1.0:
+        ap.error(f"--olen-spread must be in [0, 1), got {parsed.olen_spread}")
+    return parsed
 
 
 def main(argv):
@@ -242,6 +260,7 @@ def main(argv):
             d["olen"] = olen
             if a.duration > 0:
                 d["duration_s"] = a.duration
+                d["olen_spread"] = a.olen_spread
                 d["loaded_tok_per_s"] = round(loaded, 1)
                 d["server_tok_per_s"] = None if served is None else round(served, 1)
             d["cache_flushed"] = flushed

@@ -30,7 +30,8 @@
 #       once after setup. ENV_LEVELS (1,4,16,32,64,128), REGIONS (accept0,accept50,accept90,mix;
 #       env-base: BASE_REGIONS, accept90), ENV_DURATION (5), ENV_REPEATS (1), OLEN (128),
 #       ENV_BURST (env-auto: 1,64,1 run back to back after the sweep; empty: none),
-#       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server)
+#       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server;
+#       the speed sweep's closed loops take it too: requests that never run in step)
 #       (envelope.py empties the radix cache before each level: every server meets every level
 #       in the same state)
 #   VARIANT@N (any variant): another server of VARIANT, run where it stands in the list (e.g.
@@ -194,7 +195,7 @@ session)
         env-*) timeout "$budget" "$PY" "$HERE/envelope.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" $(env_args "$KIND");;
         *) timeout "$budget" "$PY" "$HERE/client.py" "http://127.0.0.1:$PORT" "$RES/$V.json" "$V" \
              --levels "$LEVELS" --greedy 4 --min-reqs 4 --mult 1 --duration "$DURATION" --repeats "$REPEATS" \
-             ${OLENS:+--olens "$OLENS"};;
+             --olen-spread "${OLEN_SPREAD:-0}" ${OLENS:+--olens "$OLENS"};;
       esac
       echo "[$V] client rc=$?"
       if [ -n "${WAVES:-}" ]; then   # one-wave levels at these output lengths (wave_fit.py)
