@@ -194,13 +194,17 @@ def test_off_unless_turned_on(shapes, monkeypatch, value):
     )
 
 
-def test_without_the_draft_kv_write_it_is_not_taken(shapes, monkeypatch):
+def test_without_the_draft_kv_write_it_is_not_taken_and_says_so(shapes, monkeypatch, caplog):
     monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "0")
     world = make_world(shapes)
-    step(world, 3, 10)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
     assert prefill(world, [3], 6000) is None
     assert adapter_of(world).draft_prefill_write is None
     assert adapter_of(world).draft_prefill_write_note == "SGLang's draft pass (no draft KV write)"
+    (line,) = [r.getMessage() for r in caplog.records if "DRAFT_PREFILL_WRITE" in r.getMessage()]
+    assert line.startswith("[dynspec] DYNSPEC_DRAFT_PREFILL_WRITE=1 not used: it needs the draft")
+    assert line.endswith("; prefills keep SGLang's draft pass")
 
 
 def test_a_draft_pass_the_write_does_not_reproduce_is_refused_for_good(shapes, caplog):

@@ -1818,7 +1818,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     if variant == "v1":
         _prepare_one_token_verify(adapter, worker)
     else:
-        _prepare_draft_prefill_write(adapter)
+        _prepare_draft_prefill_write(adapter, worker)
         _prepare_greedy_argmax(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
@@ -2774,8 +2774,9 @@ class DraftPrefillWrite:
         return zeros, [zeros]
 
 
-def _prepare_draft_prefill_write(adapter: Adapter) -> None:
-    """Take the prefill write where it is turned on and the draft KV write is there."""
+def _prepare_draft_prefill_write(adapter: Adapter, worker: Any) -> None:
+    """Take the prefill write where it is turned on and the draft KV write is there (one
+    warning where it is turned on and cannot be)."""
     if not lever_on(DRAFT_PREFILL_WRITE_ENV, False):
         adapter.draft_prefill_write_note = (
             f"off ({DRAFT_PREFILL_WRITE_ENV}=1 turns it on; it has not run on a GPU)"
@@ -2783,6 +2784,10 @@ def _prepare_draft_prefill_write(adapter: Adapter) -> None:
         return
     if adapter.draft_kv_write is None:
         adapter.draft_prefill_write_note = "SGLang's draft pass (no draft KV write)"
+        _rank0_logger(worker, logging.WARNING)(
+            f"[dynspec] {DRAFT_PREFILL_WRITE_ENV}=1 not used: it needs the draft KV write "
+            f"({adapter.draft_kv_write_note}); prefills keep SGLang's draft pass"
+        )
         return
     adapter.draft_prefill_write = DraftPrefillWrite(adapter.draft_kv_write)
     adapter.draft_prefill_write_note = (
