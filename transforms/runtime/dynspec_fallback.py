@@ -2768,9 +2768,11 @@ class DraftPrefillWrite:
 
     def placeholder(self, rows: int) -> tuple[Any, list[Any]]:
         """What the draft's LlamaModel returns (its last hidden state, the auxiliary one), as
-        zeros for ``rows`` tokens: never drafted from, only given shapes (one row, expanded)."""
+        zeros for ``rows`` tokens: never drafted from, only given shapes. A real tensor, not
+        an expanded row: SGLang's logits processor may view or index it any way (its MLP
+        alone would have made a wider one)."""
         weight = self.kv_write.inner.embed_tokens.weight
-        zeros = weight.new_zeros((1, weight.shape[-1])).expand(rows, -1)
+        zeros = weight.new_zeros((rows, weight.shape[-1]))
         return zeros, [zeros]
 
 
