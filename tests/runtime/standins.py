@@ -626,6 +626,10 @@ class World:
             members["forward_draft_extend_after_decode"] = lambda self, batch: (
                 world._draft_extend_v1(batch)
             )
+            if base is _ResultEntry:  # a prefill as SGLang's; a decode step: None
+                members["forward_batch_generation"] = lambda self, batch: (
+                    world._prefill_v1(batch) if batch.forward_mode.is_extend() else None
+                )
             cls = type("EAGLEWorker", (base,), {**members, "__module__": self.module.__name__})
             worker = cls()
             worker.draft_model_runner = types.SimpleNamespace(tp_group="draft-tp")
@@ -788,6 +792,27 @@ class World:
         ``_draft_extend_for_prefill``: each request's tokens shifted by one, its last the
         target's next token, through the draft model (which stores their draft KV), the next
         draft state from the draft's logits. Recorded as "prefill"."""
+        next_ids, hidden, draft_input = self._prefill(batch, self.worker.draft_worker.draft_runner)
+        return types.SimpleNamespace(
+            next_token_ids=next_ids,
+            logits_output=types.SimpleNamespace(hidden_states=hidden),
+            next_draft_input=draft_input,
+        )
+
+    def _prefill_v1(self, batch: Any) -> Any:
+        """SGLang's v1 prefill (0.5.12.post1's ``forward_target_extend`` then
+        ``forward_draft_extend``): as v2's, the next draft state left on ``batch.spec_info``."""
+        next_ids, hidden, draft_input = self._prefill(batch, self.worker.draft_model_runner)
+        batch.spec_info = draft_input
+        return types.SimpleNamespace(
+            logits_output=types.SimpleNamespace(hidden_states=hidden),
+            next_token_ids=next_ids,
+            num_correct_drafts=0,
+            can_run_cuda_graph=True,
+        )
+
+    def _prefill(self, batch: Any, runner: Any) -> tuple[Any, Any, Any]:
+        """(next token ids, the target's hidden states, the next draft state) of a prefill."""
         hidden = target_hidden(batch.input_ids)
         lens = torch.tensor(batch.extend_lens)
         starts = torch.cumsum(lens, 0) - lens
@@ -799,7 +824,6 @@ class World:
                 for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))
             ]
         )
-        runner = self.worker.draft_worker.draft_runner
         forward_batch = types.SimpleNamespace(
             forward_mode=ForwardMode.EXTEND,
             spec_info=types.SimpleNamespace(hidden_states=hidden),
@@ -814,13 +838,10 @@ class World:
         probs = torch.softmax(draft_out.next_token_logits, dim=-1)
         topk_p, topk_index = probs.topk(1, dim=-1)
         self.recorder.add("prefill", shifted=shifted, slots=batch.out_cache_loc.clone())
-        return types.SimpleNamespace(
-            next_token_ids=next_ids,
-            logits_output=types.SimpleNamespace(hidden_states=hidden),
-            next_draft_input=types.SimpleNamespace(
-                topk_p=topk_p, topk_index=topk_index, hidden_states=draft_out.hidden_states
-            ),
+        draft_input = types.SimpleNamespace(
+            topk_p=topk_p, topk_index=topk_index, hidden_states=draft_out.hidden_states
         )
+        return next_ids, hidden, draft_input
 
     # -- batch ------------------------------------------------------------------------------
 

@@ -336,3 +336,46 @@ def test_the_prefill_it_runs_passes_through_the_patched_entrys_hook(shapes, monk
         assert result is not None
     assert [a is None for a in hook_answers] == [True, False, True, False]
     assert len([n for n, _ in world.recorder.events if n == "prefill"]) == 2
+
+
+def test_v1_in_fallback_a_prefill_stores_the_draft_kv_alone_once_checked(caplog):
+    """v1 (0.5.12.post1, where its draft KV write runs): the worker's prefill
+    (``forward_target_extend`` then ``forward_draft_extend``) re-entered the same way."""
+    import torch
+
+    from tests.runtime.standins import (
+        World,
+        give_draft_model,
+        new_prefill_batch,
+        read_shape,
+        stored_draft_kv,
+    )
+    from tests.runtime.test_draft_kv_write_v1 import draft_state
+
+    def v1_world() -> Any:
+        world = World(read_shape("0.5.12.post1", "v1"), threshold=2,
+                      speculative_disable_min_dwell_steps=1)
+        give_draft_model(world)
+        return world
+
+    world = v1_world()
+    world.batch = world._make_batch(3, 10, 100)
+    draft_state(world.batch)
+    dyn.maybe_fallback_v1(world.worker, world.batch)  # a fallback step: the write checked
+    adapter = adapter_of(world)
+    assert adapter.controller.in_fallback and adapter.draft_kv_write.checked
+    model = inner_model(world)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert dyn.maybe_fallback_v1(world.worker, new_prefill_batch(world, [3, 5], 6000))
+        result = dyn.maybe_fallback_v1(world.worker, new_prefill_batch(world, [4, 2], 7000))
+    assert model.passes == 1
+    assert len(prefill_lines(caplog)) == 1
+    assert result.next_token_ids.shape == (2,)
+    assert adapter.draft_state_stale
+
+    reference = v1_world()
+    batch = new_prefill_batch(reference, [4, 2], 7000)
+    reference._prefill_v1(batch)
+    want_k, want_v = stored_draft_kv(reference, batch.out_cache_loc)
+    k, v = stored_draft_kv(world, batch.out_cache_loc)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v) and k.abs().sum() > 0

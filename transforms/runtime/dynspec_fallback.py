@@ -1451,7 +1451,7 @@ class Adapter:
     # v2: the draft KV write of fallback steps (None: SGLang's draft-extend), and why.
     draft_kv_write: DraftKvWrite | None = None
     draft_kv_write_note: str = ""
-    # v2: a prefill in fallback stores the draft's K and V only (None: SGLang's draft pass).
+    # A prefill in fallback stores the draft's K and V only (None: SGLang's draft pass).
     draft_prefill_write: DraftPrefillWrite | None = None
     draft_prefill_write_note: str = ""
     # v1: write-only fallback steps of greedy batches do verify()'s bookkeeping themselves
@@ -1815,10 +1815,10 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
     if variant == "v2":
         _prepare_draft_extend_width1(adapter, worker)
     _prepare_draft_kv_write(adapter, worker)
+    _prepare_draft_prefill_write(adapter, worker)
     if variant == "v1":
         _prepare_one_token_verify(adapter, worker)
     else:
-        _prepare_draft_prefill_write(adapter, worker)
         _prepare_greedy_argmax(adapter, worker)
     _warm_up_graphs(adapter, worker)
     _adapters[type(worker)] = adapter
@@ -2363,10 +2363,11 @@ DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
 # (each step writes its own): the batched write has not run on a GPU yet.
 DRAFT_KV_WRITE_STEPS_ENV = "DYNSPEC_DRAFT_KV_WRITE_STEPS"
 MAX_DRAFT_KV_WRITE_STEPS = 64
-# v2: "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
-# tokens only (``DraftPrefillWrite``); "0" or unset: SGLang's whole draft pass (it has not run
-# on a GPU yet). On an H200 the draft's prefill pass took about 19 ms of GPU per 64 prompts of
-# 256 tokens at c = 64, two thirds of it attention and MLP (2026-12-04, RESULTS.md).
+# "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
+# tokens only (``DraftPrefillWrite``; v1 and v2, where the draft KV write runs); "0" or unset:
+# SGLang's whole draft pass (it has not run on a GPU yet). On an H200 the draft's prefill pass
+# took about 19 ms of GPU per 64 prompts of 256 tokens at c = 64, two thirds of it attention
+# and MLP (2026-12-04, RESULTS.md).
 DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
@@ -3415,6 +3416,8 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     if adapter is None or adapter.reentered:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
+        if _prefill_stores_draft_kv_only(adapter, batch):
+            return _prefill_with_draft_kv_write(worker, adapter, batch, {})
         return None
     if _has_grammar(batch) and not adapter.grammar:
         return None
@@ -3882,7 +3885,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
     if not _is_pure_decode(batch) or batch.spec_info is None:
         settle_draft_kv(adapter, worker)  # a prefill: its draft pass stores into fresh slots
         if _prefill_stores_draft_kv_only(adapter, batch):
-            return _v2_prefill(worker, adapter, batch, kwargs)
+            return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
         return None
     stride = int(worker.speculative_num_draft_tokens)
     if (_has_grammar(batch) and not adapter.grammar) or getattr(
@@ -4028,7 +4031,9 @@ def _prefill_stores_draft_kv_only(adapter: Adapter, batch: Any) -> bool:
     return kv_write.checked and not kv_write.broken and bool(batch.forward_mode.is_extend())
 
 
-def _v2_prefill(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
+def _prefill_with_draft_kv_write(
+    worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]
+) -> Any:
     """The worker's own prefill, run from here with the draft model's ``forward`` replaced for
     its duration: each draft pass the prefill write takes stores K and V and returns zeros
     (the first also runs SGLang's pass and is compared with it). The re-entered hook answers
