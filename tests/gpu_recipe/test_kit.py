@@ -186,7 +186,8 @@ def test_lever_variants_run_the_patched_server_with_their_settings(tmp_path):
     home = tmp_path / "kit"
     env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
            "HEALTH_TIMEOUT": "5", "DEADLINE": "600"}
-    kinds = ["dyn-v2-write8@2", "dyn-v2", "dyn-v2-kvprefill", "dyn-v2-write16-kvprefill"]
+    kinds = ["dyn-v2-write8@2", "dyn-v2", "dyn-v2-kvprefill", "dyn-v2-write16-kvprefill",
+             "dyn-v1-kvprefill"]
     done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", *kinds],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -202,6 +203,9 @@ def test_lever_variants_run_the_patched_server_with_their_settings(tmp_path):
     assert first_line("dyn-v2-write16-kvprefill").endswith(
         "env: DYNSPEC_DRAFT_KV_WRITE_STEPS=16 DYNSPEC_DRAFT_PREFILL_WRITE=1"
     )
+    v1 = first_line("dyn-v1-kvprefill")
+    assert "--disable-overlap-schedule" in v1
+    assert v1.endswith("env: DYNSPEC_DRAFT_PREFILL_WRITE=1")
 
 
 DEFAULT_KERNELS = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
