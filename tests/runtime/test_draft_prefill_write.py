@@ -379,3 +379,23 @@ def test_v1_in_fallback_a_prefill_stores_the_draft_kv_alone_once_checked(caplog)
     want_k, want_v = stored_draft_kv(reference, batch.out_cache_loc)
     k, v = stored_draft_kv(world, batch.out_cache_loc)
     assert torch.equal(k, want_k) and torch.equal(v, want_v) and k.abs().sum() > 0
+
+
+def test_a_forward_set_on_the_model_instance_is_put_back(shapes):
+    """Where something set the draft model's ``forward`` on the instance (a compiled one),
+    that one is back after the prefill, and was the one SGLang's pass ran."""
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    model = inner_model(world)
+    calls = []
+    class_forward = type(model).forward
+
+    def instance_forward(*args, **kwargs):
+        calls.append(len(args))
+        return class_forward(model, *args, **kwargs)
+
+    model.forward = instance_forward
+    prefill(world, [3], 6000)  # the checking prefill runs SGLang's pass: the instance's
+    prefill(world, [2], 7000)  # K and V alone
+    assert calls == [4] and model.passes == 1  # (input_ids, positions, batch, embeds)
+    assert vars(model)["forward"] is instance_forward

@@ -4057,12 +4057,16 @@ def _prefill_with_draft_kv_write(
         return prefill.placeholder(int(input_ids.shape[0]))
 
     entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
+    own = vars(inner).get("forward")  # one set on the instance (a compiled forward) stays
     adapter.reentered = True  # (the worker enters the draft's TP context around its pass)
     inner.forward = forward
     try:
         result = entry(batch, **kwargs)
     finally:
-        del inner.forward  # SGLang's own again
+        if own is None:
+            del inner.forward  # the class's own again
+        else:
+            inner.forward = own
         adapter.reentered = False
     if written and not prefill.checked:
         _check_draft_prefill_write(worker, adapter, prefill, written)
