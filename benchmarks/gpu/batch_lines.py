@@ -22,10 +22,14 @@ began on an empty batch and every decode line in it ran all c requests; once req
 out of step (a decode step runs between two prefills of one wave), later waves stay split and
 prefill while the rest decode.
 
-Per log: waves in step / all, prefill batches per wave, each boundary's time beyond 40 steady
-steps (its neighbours' mean), the steady lines' time per 40 steps, and the tokens per second
-over whole waves in step; then the patched log over the plain one. On 2026-12-04 this split
-the patched server's c = 64 closed loop (RESULTS.md). Standard library only.
+Per level and log: the waves in step on both servers (the client sends the same prompts in
+the same order to both, so the k-th wave of one is the k-th of the other) out of the log's
+whole waves, prefill batches per wave, each boundary's time beyond 40 steady steps (its
+neighbours' mean), the steady lines' time per 40 steps, tokens per second over those waves,
+and over the level as it ran (from its first boundary on, as many tokens on both servers:
+the figure for a level whose waves fell out of step); then the patched log over the plain
+one. On 2026-12-04's logs this split the patched server's c = 64 closed loop (RESULTS.md).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STEPS_PER_LINE = 40  # SGLang's decode_log_interval default
-_TIME = re.compile(r"(\d\d:\d\d:\d\d)\]")
+# "[2026-12-04 17:52:43 TP0] ...": the time (SGLANG_LOG_MS adds ".123"), then the scheduler's
+# ranks where there are several; only rank 0's lines are read (every rank logs its batches).
+_TIME = re.compile(r"(\d\d:\d\d:\d\d)(?:\.\d+)?((?: [A-Z_]+\d+)*)\]")
+_OTHER_RANK = re.compile(r"[A-Z_]+[1-9]\d*")
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 _PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+).*?#running-req: (\d+)")
 _FLUSH = "Cache flushed successfully"
@@ -80,6 +87,8 @@ def read_levels(path: str, start: str | None = None, end: str | None = None) -> 
         when = _TIME.search(text)
         if when is None or (start and when[1] < start) or (end and when[1] > end):
             continue
+        if any(_OTHER_RANK.fullmatch(rank) for rank in when[2].split()):
+            continue
         if _FLUSH in text:
             levels.append([])
             flushed = True
@@ -98,6 +107,29 @@ def concurrency_of(lines: list[Line]) -> int | None:
     """The decode batch size most of a level's decode lines ran (None: no decode line)."""
     sizes = [line.size for line in lines if not line.prefill]
     return statistics.mode(sizes) if sizes else None
+
+
+def between_boundaries(lines: list[Line]) -> list[Line]:
+    """The decode lines after a level's first boundary (whose time holds the level's start)
+    up to its last one (after which requests drain): the level at full load, whole waves or
+    not."""
+    decode = [i for i, line in enumerate(lines) if not line.prefill]
+    marks = [n for n, i in enumerate(decode) if i > 0 and lines[i - 1].prefill]
+    if len(marks) < 2:
+        return []
+    return [lines[i] for i in decode[marks[0] + 1 : marks[-1]]]
+
+
+def rate_over(lines: list[Line], tokens: float) -> float:
+    """Tokens per second over the first ``tokens`` tokens of these decode lines (the last line
+    taken in part); NaN where they hold fewer."""
+    done = ms = 0.0
+    for line in lines:
+        step_tokens = STEPS_PER_LINE * line.size
+        if done + step_tokens >= tokens:
+            return tokens / (ms + line.ms * (tokens - done) / step_tokens) * 1000
+        done, ms = done + step_tokens, ms + line.ms
+    return float("nan")
 
 
 def waves(lines: list[Line], concurrency: int) -> list[Wave]:
@@ -132,18 +164,12 @@ def waves(lines: list[Line], concurrency: int) -> list[Wave]:
     return out
 
 
-def paired(mine: list[Wave], theirs: list[Wave]) -> tuple[list[Wave], list[Wave]]:
-    """The waves both levels ran, by their order in the level (the client sends the same
-    prompts in the same order to both servers; the faster one fits more waves in a level)."""
-    count = min(len(mine), len(theirs))
-    return mine[:count], theirs[:count]
-
-
 def summary(found: list[Wave], in_step: list[bool] | None = None) -> dict[str, float]:
-    """Figures over the waves in step (``in_step``: where given, the waves marked True there;
-    NaN where there is none), and the rate over every whole wave, in step or not."""
-    marks = in_step if in_step is not None else [w.in_step for w in found]
-    kept = [w for w, keep in zip(found, marks, strict=True) if keep]
+    """Figures over the waves in step (NaN where there is none), and the rate over every whole
+    wave, in step or not. ``in_step``, where given, marks the first waves instead of their
+    own flags (those in step on both servers), and the waves after them count as not."""
+    marks = [w.in_step for w in found] if in_step is None else in_step
+    kept = [w for w, keep in zip(found, marks, strict=False) if keep]
     steady = [ms for w in kept for ms in w.steady_ms]
     nan = float("nan")
     return {
@@ -153,9 +179,6 @@ def summary(found: list[Wave], in_step: list[bool] | None = None) -> dict[str, f
         "boundary_ms": statistics.median(w.boundary_ms for w in kept) if kept else nan,
         "steady_ms": statistics.mean(steady) if steady else nan,
         "tok_s": sum(w.tokens for w in kept) / sum(w.ms for w in kept) * 1000 if kept else nan,
-        "all_tok_s": sum(w.tokens for w in found) / sum(w.ms for w in found) * 1000
-        if found
-        else nan,
     }
 
 
@@ -176,24 +199,26 @@ def _cell(value: float, form: str) -> str:
 
 
 def table(figures: dict[str, dict[str, float]], concurrency: int) -> str:
+    nan = float("nan")
     rows = [
         f"| c = {concurrency} | waves in step (both) / all | prefill batches per wave | "
         f"boundary ms beyond 40 steady steps (median) | steady ms per {STEPS_PER_LINE} steps | "
-        "tok/s over whole waves in step | tok/s over every whole wave |",
+        "tok/s over whole waves in step | tok/s over the level's first tokens (as many on "
+        "both) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, f in figures.items():
         rows.append(
             f"| {name} | {f['in_step']} / {f['all']} | {_cell(f['prefills'], '.1f')} | "
             f"{_cell(f['boundary_ms'], '.0f')} | {_cell(f['steady_ms'], '.1f')} | "
-            f"{_cell(f['tok_s'], '.0f')} | {_cell(f['all_tok_s'], '.0f')} |"
+            f"{_cell(f['tok_s'], '.0f')} | {_cell(f.get('level_tok_s', nan), '.0f')} |"
         )
     patched, plain = figures.values()
     rows.append(
         f"| patched ÷ plain | | | {_cell(patched['boundary_ms'] - plain['boundary_ms'], '+.0f')} "
         f"| {_cell(plain['steady_ms'] / patched['steady_ms'], '.3f')} (speed) | "
         f"{_cell(patched['tok_s'] / plain['tok_s'], '.3f')} | "
-        f"{_cell(patched['all_tok_s'] / plain['all_tok_s'], '.3f')} |"
+        f"{_cell(patched.get('level_tok_s', nan) / plain.get('level_tok_s', nan), '.3f')} |"
     )
     return "\n".join(rows)
 
@@ -229,9 +254,16 @@ def main(argv: list[str]) -> None:
         if a.list:
             for name, lines in ((patched, mine), (plain, base)):
                 print(f"level {n}, {name}\n\n{listing(waves(lines, c))}\n")
-        ours_w, theirs_w = paired(waves(mine, c), waves(base, c))
-        both = [p.in_step and b.in_step for p, b in zip(ours_w, theirs_w, strict=True)]
+        # The client sends the same prompts in the same order to both servers, so the k-th
+        # wave of one is the k-th of the other (the faster server fits more in a level).
+        ours_w, theirs_w = waves(mine, c), waves(base, c)
+        both = [p.in_step and b.in_step for p, b in zip(ours_w, theirs_w, strict=False)]
         figures = {patched: summary(ours_w, both), plain: summary(theirs_w, both)}
+        # the level as it ran, waves in step or not: the same first tokens on both servers
+        spans = between_boundaries(mine), between_boundaries(base)
+        tokens = min(sum(STEPS_PER_LINE * line.size for line in span) for span in spans)
+        for figure, span in zip(figures.values(), spans, strict=True):
+            figure["level_tok_s"] = rate_over(span, tokens) if tokens else float("nan")
         print(f"level {n} (after the log's flush {n})\n\n{table(figures, c)}\n")
 
 

@@ -60,7 +60,6 @@ def test_waves_in_step_give_boundary_steady_time_and_rate(tmp_path):
     assert figures["prefills"] == 2.0
     # each wave: 3 lines of 160 tokens in 600 ms
     assert figures["tok_s"] == pytest.approx(3 * 160 / 0.6)
-    assert figures["all_tok_s"] == pytest.approx(figures["tok_s"])
 
 
 def test_a_wave_whose_requests_fell_out_of_step_is_counted_apart(tmp_path):
@@ -72,7 +71,6 @@ def test_a_wave_whose_requests_fell_out_of_step_is_counted_apart(tmp_path):
     assert [w.in_step for w in found] == [True, False]
     figures = figures_of(tmp_path, "b.log", lines)
     assert (figures["in_step"], figures["all"]) == (1, 2)
-    assert figures["all_tok_s"] < figures["tok_s"]
 
 
 def test_the_window_keeps_only_its_lines(tmp_path):
@@ -105,7 +103,9 @@ def test_the_table_compares_the_patched_log_with_the_plain_one(tmp_path):
     assert "| patched: dyn-v2.server.log | 3 / 3 | 2.0 | 340 | 102.0 |" in out
     assert "| plain: base.server.log | 3 / 3 | 2.0 | 300 | 100.0 |" in out
     ratio = (3 * 100 + 300) / (3 * 102 + 340)
-    assert f"| patched ÷ plain | | | +40 | 0.980 (speed) | {ratio:.3f} | {ratio:.3f} |" in out
+    # the level as it ran: after the first wave's boundary, up to the last boundary
+    level = (6 * 100 + 2 * 400) / (6 * 102 + 2 * 442)
+    assert f"| patched ÷ plain | | | +40 | 0.980 (speed) | {ratio:.3f} | {level:.3f} |" in out
 
 
 def test_a_log_without_waves_at_that_concurrency_prints_dashes(tmp_path):
@@ -150,7 +150,8 @@ def test_levels_split_at_the_cache_flush_and_pair_their_waves_in_order(tmp_path)
     """Lines before the first flush (warm-up, greedy checks) are dropped; each level's waves
     are compared in order, as many as both ran (the faster server fits more in a level)."""
     def level(second: int, boundaries: list[float], steady: float) -> list[str]:
-        lines = [FLUSH.format(second), prefill(second, C, 0), decode(second, C, 900.0)]
+        lines = [FLUSH.format(second), prefill(second, C, 0), decode(second, C, 900.0),
+                 decode(second, C, steady)]
         for n, boundary in enumerate(boundaries):
             lines += wave_in_step(second + 1 + n, boundary, steady)
         return lines
@@ -161,15 +162,17 @@ def test_levels_split_at_the_cache_flush_and_pair_their_waves_in_order(tmp_path)
                                        *level(30, [300.0] * 4, 100.0)])
     patched = log(tmp_path, "dyn.log", [*warmup, *level(10, [330.0, 330.0, 80.0], 102.0),
                                         *level(30, [330.0] * 3, 102.0)])
-    assert [len(lv) for lv in batch_lines.read_levels(plain)] == [22, 22]
+    assert [len(lv) for lv in batch_lines.read_levels(plain)] == [23, 23]
     assert batch_lines.concurrency_of(batch_lines.read_levels(plain)[0]) == C
     out = subprocess.run([sys.executable, str(GPU / "batch_lines.py"), patched, plain],
                          check=True, capture_output=True, text=True, timeout=60).stdout
-    # both levels: the first two waves of each server, the plain server's cheap third left out
+    # in step: the first two waves of each server (the plain server's cheap third left out);
+    # the level as it ran: the first 7 lines after the level's start on both
     ratio = (3 * 100 + 300) / (3 * 102 + 330)
-    assert out.count(f"| +30 | 0.980 (speed) | {ratio:.3f} | {ratio:.3f} |") == 2
+    level = (5 * 100 + 2 * 400) / (5 * 102 + 2 * 432)
+    assert out.count(f"| +30 | 0.980 (speed) | {ratio:.3f} | {level:.3f} |") == 2
     assert "level 2 (after the log's flush 2)" in out
-    assert "| plain: base.log | 2 / 2 |" in out
+    assert out.count("| plain: base.log | 2 / 3 |") == 2
 
 
 def test_only_waves_in_step_on_both_servers_count_as_in_step(tmp_path):
@@ -185,3 +188,52 @@ def test_only_waves_in_step_on_both_servers_count_as_in_step(tmp_path):
                          check=True, capture_output=True, text=True, timeout=60).stdout
     assert "| patched: dyn.log | 2 / 3 |" in out
     assert "| plain: base.log | 2 / 3 |" in out
+
+
+def test_with_several_ranks_only_rank_0s_lines_are_read(tmp_path):
+    """With TP > 1 each line carries its scheduler's ranks ("[... TP0]"; SGLANG_LOG_MS adds
+    milliseconds); every rank logs its own batches, so only rank 0's count."""
+    lines = [decode(0, C, 100.0)]
+    for second in (1, 2, 3):
+        lines += wave_in_step(second, 300.0, 100.0)
+    lines += [prefill(4, C, 0), decode(4, C, 400.0), decode(4, C, 100.0)]
+    ranked = []
+    for line in lines:
+        stamp, rest = line.split("]", 1)
+        ranked += [f"{stamp}.250 TP0]{rest}", f"{stamp}.250 TP1]{rest}"]
+    read = batch_lines.read_lines(log(tmp_path, "tp.log", ranked))
+    assert len(read) == len(lines)
+    found = batch_lines.waves(read, C)
+    assert [round(w.boundary_ms) for w in found] == [300, 300, 300]
+
+
+def test_the_level_as_it_ran_counts_from_its_first_boundary_to_its_last(tmp_path):
+    """The first boundary's lines hold the level's start and are left out, as is everything
+    from the last boundary on (the drain); the rate over a number of tokens takes the line
+    that reaches it in part."""
+    lines = [prefill(0, C, 0), decode(0, C, 5000.0), decode(0, C, 100.0),  # the level's start
+             *wave_in_step(1, 300.0, 100.0), *wave_in_step(2, 300.0, 100.0),
+             prefill(3, C, 0), decode(3, C, 9000.0), decode(3, C, 100.0)]  # the last boundary
+    span = batch_lines.between_boundaries(batch_lines.read_lines(log(tmp_path, "g.log", lines)))
+    assert [round(line.ms) for line in span] == [100, 400, 100, 100, 400, 100, 100]
+    assert batch_lines.rate_over(span, 160) == pytest.approx(160 / 0.1)
+    assert batch_lines.rate_over(span, 240) == pytest.approx(240 / 0.3)  # half the 400 ms
+    assert batch_lines.rate_over(span, 7 * 160 + 1) != batch_lines.rate_over(span, 7 * 160 + 1)
+
+
+def test_a_level_out_of_step_is_compared_over_the_same_first_tokens(tmp_path):
+    """Its waves do not pair, so the level as it ran is compared: both servers' rates over as
+    many tokens as the shorter of the two holds."""
+    def level(ms: float, waves: int) -> list[str]:
+        lines = [prefill(0, 2, 0), decode(0, C, 5000.0), decode(0, C, ms)]
+        for second in range(1, waves + 1):  # half the requests prefill while half run
+            lines += [prefill(second, 2, 2), decode(second, C, ms), decode(second, C, ms)]
+        return lines
+
+    patched = log(tmp_path, "dyn.log", level(105.0, 3))
+    plain = log(tmp_path, "base.log", level(100.0, 4))
+    out = subprocess.run([sys.executable, str(GPU / "batch_lines.py"), patched, plain],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    assert "| patched: dyn.log | 0 / 2 | – | – | – | – | 1524 |" in out
+    assert "| plain: base.log | 0 / 3 | – | – | – | – | 1600 |" in out
+    assert out.rstrip().endswith("| – | – (speed) | – | 0.952 |")
