@@ -399,3 +399,27 @@ def test_a_forward_set_on_the_model_instance_is_put_back(shapes):
     prefill(world, [2], 7000)  # K and V alone
     assert calls == [4] and model.passes == 1  # (input_ids, positions, batch, embeds)
     assert vars(model)["forward"] is instance_forward
+
+
+def test_only_a_pass_with_a_hidden_state_and_a_slot_per_token_is_taken():
+    import types
+
+    import torch
+
+    from tests.runtime.standins import ForwardMode
+
+    def forward_batch(hidden_rows: int, slots: int, mode: Any = ForwardMode.EXTEND) -> Any:
+        return types.SimpleNamespace(
+            forward_mode=mode,
+            spec_info=types.SimpleNamespace(hidden_states=torch.zeros(hidden_rows, 4)),
+            out_cache_loc=torch.arange(slots),
+        )
+
+    takes = dyn.DraftPrefillWrite(kv_write=None).takes  # type: ignore[arg-type]
+    tokens = torch.arange(3)
+    assert takes(tokens, forward_batch(3, 3), None)
+    assert not takes(tokens, forward_batch(2, 3), None)  # a hidden state missing
+    assert not takes(tokens, forward_batch(3, 4), None)  # slots of other tokens
+    assert not takes(tokens[:0], forward_batch(0, 0), None)  # nothing to store
+    assert not takes(tokens, forward_batch(3, 3, ForwardMode.IDLE), None)
+    assert not takes(tokens, forward_batch(3, 3), torch.zeros(3, 2))  # embeddings given
