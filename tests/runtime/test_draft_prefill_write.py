@@ -423,3 +423,34 @@ def test_only_a_pass_with_a_hidden_state_and_a_slot_per_token_is_taken():
     assert not takes(tokens[:0], forward_batch(0, 0), None)  # nothing to store
     assert not takes(tokens, forward_batch(3, 3, ForwardMode.IDLE), None)
     assert not takes(tokens, forward_batch(3, 3), torch.zeros(3, 2))  # embeddings given
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["checking", "checked"])
+def test_a_write_that_raises_keeps_sglangs_pass_for_good(shapes, caplog, checked):
+    """The prefill still runs (SGLang's pass stores the draft KV), with one warning, and no
+    later prefill tries the write again."""
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    if checked:
+        prefill(world, [3], 6000)
+    write = adapter_of(world).draft_kv_write.write
+    calls = []
+
+    def raising(*args: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("shape [5, 4] is invalid")
+
+    adapter_of(world).draft_kv_write.write = raising
+    model = inner_model(world)
+    passes = model.passes
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        assert prefill(world, [2], 7000) is not None
+        assert prefill(world, [2], 8000) is None  # SGLang's own, outside the hook
+    assert model.passes == passes + 1 and calls == [1]
+    assert adapter_of(world).draft_prefill_write.broken == (
+        "the write raised RuntimeError: shape [5, 4] is invalid"
+    )
+    (line,) = prefill_lines(caplog)
+    assert line.endswith("shape [5, 4] is invalid; prefills keep SGLang's draft pass")
+    assert not adapter_of(world).draft_state_stale
+    adapter_of(world).draft_kv_write.write = write

@@ -4050,7 +4050,15 @@ def _prefill_with_draft_kv_write(
             return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
         loc = forward_batch.out_cache_loc
         hidden = forward_batch.spec_info.hidden_states
-        k, v = prefill.kv_write.write(input_ids, hidden, positions, loc)
+        try:
+            k, v = prefill.kv_write.write(input_ids, hidden, positions, loc)
+        except Exception as exc:  # SGLang's pass stores these slots over whatever it left
+            prefill.broken = f"the write raised {type(exc).__name__}: {exc}"
+            _rank0_logger(worker, logging.WARNING)(
+                f"[dynspec] draft prefill write raised {type(exc).__name__}: {exc}; prefills "
+                "keep SGLang's draft pass"
+            )
+            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
         written.append((k, v, loc))
         if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
             return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
