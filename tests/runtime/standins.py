@@ -834,7 +834,11 @@ class World:
             extend_seq_lens=lens,
             mm_input_embeds=getattr(batch, "mm_input_embeds", None),
         )
-        draft_out = runner.model.forward(shifted, batch.positions, forward_batch)
+        graph = getattr(runner, "prefill_cuda_graph_runner", None)
+        if graph is not None:  # 0.5.17+: ModelRunner._forward_raw replays the prefill graph
+            draft_out = graph.execute(shifted, batch.positions, forward_batch)
+        else:
+            draft_out = runner.model.forward(shifted, batch.positions, forward_batch)
         probs = torch.softmax(draft_out.next_token_logits, dim=-1)
         topk_p, topk_index = probs.topk(1, dim=-1)
         self.recorder.add("prefill", shifted=shifted, slots=batch.out_cache_loc.clone())
@@ -1271,11 +1275,32 @@ class DraftCausalLM:
         self.lm_head = torch.nn.Linear(DRAFT_HIDDEN, VOCAB, bias=False)
 
     def forward(self, input_ids, positions, forward_batch) -> Any:
-        hidden, aux = self.model(input_ids, positions, forward_batch, None)
+        return self.head(self.model(input_ids, positions, forward_batch, None), forward_batch)
+
+    def head(self, model_out: tuple[Any, Any], forward_batch: Any) -> Any:
+        """The LM head over each request's last token of the LlamaModel's output."""
+        hidden, aux = model_out
         last = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
         return types.SimpleNamespace(
             next_token_logits=self.lm_head(hidden[last]), hidden_states=aux[0][last]
         )
+
+
+class PrefillCudaGraph:
+    """The draft's prefill CUDA graph of SGLang 0.5.17+ (``ModelRunner.prefill_cuda_graph_runner``,
+    the "breakable" backend): it replays the kernels of the LlamaModel's own forward captured
+    at start-up, so a ``forward`` set on the model instance later is never called. Counts its
+    replays."""
+
+    def __init__(self, model: DraftCausalLM) -> None:
+        self.model = model
+        self.replays = 0
+
+    def execute(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
+        self.replays += 1
+        inner = self.model.model
+        captured = type(inner).forward(inner, input_ids, positions, forward_batch, None)
+        return self.model.head(captured, forward_batch)
 
 
 class MHATokenToKVPool:

@@ -454,3 +454,71 @@ def test_a_write_that_raises_keeps_sglangs_pass_for_good(shapes, caplog, checked
     assert line.endswith("shape [5, 4] is invalid; prefills keep SGLang's draft pass")
     assert not adapter_of(world).draft_state_stale
     adapter_of(world).draft_kv_write.write = write
+
+
+def with_prefill_graph(world: Any) -> Any:
+    """SGLang 0.5.17+'s draft prefill CUDA graph on ``world``'s draft runner."""
+    from tests.runtime.standins import PrefillCudaGraph, draft_runner
+
+    runner = draft_runner(world)
+    runner.prefill_cuda_graph_runner = PrefillCudaGraph(runner.model)
+    return runner.prefill_cuda_graph_runner
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_with_sglangs_draft_prefill_graph_the_lever_runs_that_pass_eagerly(
+    shapes, version, caplog
+):
+    """0.5.17 captures the draft's prefill as a CUDA graph, whose replay never calls a
+    forward set on the model (on the H200 the lever was on and never ran): the runner goes
+    without its graph for the lever's prefill, and gets it back."""
+    import torch
+
+    from tests.runtime.standins import draft_runner, new_prefill_batch, stored_draft_kv
+
+    world = make_world(shapes, version)
+    graph = with_prefill_graph(world)
+    in_fallback_and_checked(world)
+    model = inner_model(world)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        prefill(world, [3, 5], 6000)  # both passes (SGLang's eagerly), compared
+        prefill(world, [4, 2], 7000)  # K and V alone
+
+    assert graph.replays == 0 and model.passes == 1
+    assert len(prefill_lines(caplog)) == 1 and "matches" in prefill_lines(caplog)[0]
+    assert draft_runner(world).prefill_cuda_graph_runner is graph
+    k, v = stored_draft_kv(world, new_prefill_batch(world, [4, 2], 7000).out_cache_loc)
+    want_k, want_v = sglang_pass_kv(shapes, version, [4, 2], 7000)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_the_draft_runner_gets_its_prefill_graph_back_when_the_prefill_raises(
+    shapes, monkeypatch
+):
+    from tests.runtime.standins import draft_runner
+
+    world = make_world(shapes)
+    graph = with_prefill_graph(world)
+    in_fallback_and_checked(world)
+
+    def fails(batch):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(world, "_prefill_v2", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prefill(world, [2], 7000)
+    assert draft_runner(world).prefill_cuda_graph_runner is graph
+
+
+def test_while_speculating_a_prefill_replays_sglangs_draft_prefill_graph(shapes):
+    from tests.runtime.standins import new_prefill_batch
+
+    world = make_world(shapes)
+    graph = with_prefill_graph(world)
+    in_fallback_and_checked(world)
+    step(world, 1, 11)
+    step(world, 1, 12)
+    assert not adapter_of(world).controller.in_fallback
+    assert prefill(world, [3], 6000) is None  # SGLang's own prefill, the hook not involved
+    world._prefill_v2(new_prefill_batch(world, [3], 6000))  # which replays the graph
+    assert graph.replays == 1

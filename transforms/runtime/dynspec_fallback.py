@@ -2369,6 +2369,8 @@ MAX_DRAFT_KV_WRITE_STEPS = 64
 # took about 19 ms of GPU per 64 prompts of 256 tokens at c = 64, two thirds of it attention
 # and MLP (2026-12-04, RESULTS.md).
 DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
+# ModelRunner's prefill CUDA graph (SGLang 0.5.17+; None: the prefill runs eagerly)
+DRAFT_PREFILL_GRAPH_ATTR = "prefill_cuda_graph_runner"
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
 # same tensors.
@@ -4066,11 +4068,19 @@ def _prefill_with_draft_kv_write(
 
     entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
     own = vars(inner).get("forward")  # one set on the instance (a compiled forward) stays
+    # SGLang 0.5.17+ runs the draft's prefill from a CUDA graph captured at start-up, which
+    # never calls the forward set here: the runner goes without it for this pass (eager).
+    runner = _draft_runner(adapter, worker)
+    prefill_graph = vars(runner).get(DRAFT_PREFILL_GRAPH_ATTR)
     adapter.reentered = True  # (the worker enters the draft's TP context around its pass)
     inner.forward = forward
+    if prefill_graph is not None:
+        setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, None)
     try:
         result = entry(batch, **kwargs)
     finally:
+        if prefill_graph is not None:
+            setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, prefill_graph)
         if own is None:
             del inner.forward  # the class's own again
         else:
