@@ -762,3 +762,25 @@ def test_the_steps_per_write_setting(monkeypatch, value, steps, warns):
     assert bool(said) == warns
     if warns:
         assert said[0].startswith(f"[dynspec] {dyn.DRAFT_KV_WRITE_STEPS_ENV}={value!r}")
+
+
+@pytest.mark.parametrize(
+    ("release", "value", "steps"),
+    [("0.5.17", None, 8), ("0.5.17", "1", 1), ("0.5.23", None, 1), ("0.5.23", "4", 4)],
+)
+def test_eight_steps_per_write_by_default_where_that_ran_on_a_gpu(
+    shapes, monkeypatch, release, value, steps
+):
+    """Unset, the batched write keeps 8 steps on the releases it has run on
+    (``DRAFT_KV_WRITE_STEPS_RELEASES``) and 1 elsewhere; a value set wins everywhere."""
+    from tests.runtime.standins import package_says_release
+
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "1")
+    if value is None:
+        monkeypatch.delenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(dyn.DRAFT_KV_WRITE_STEPS_ENV, value)
+    world = make_world(shapes, release)
+    package_says_release(monkeypatch, world, release)
+    step(world, 3, 10)
+    assert dyn._adapters[type(world.worker)].draft_kv_write.steps_per_write == steps

@@ -2359,10 +2359,15 @@ DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
 # v2: N > 1 keeps the draft KV write of N fallback steps and runs it as one (the weights of the
 # draft's ``fc`` and ``qkv``, about 200 MB for Llama-3.1-8B's EAGLE-3, read once per N steps
 # instead of once per step: on an H200 the per-step write took 0.10 ms of a 6.6 ms step at bs 64,
-# 2026-12-04); every kept step is stored before anything else runs on the draft. Default 1
-# (each step writes its own): the batched write has not run on a GPU yet.
+# 2026-12-04); every kept step is stored before anything else runs on the draft. Unset: 8 where
+# it has run on a GPU (DRAFT_KV_WRITE_STEPS_RELEASES), else 1 (each step writes its own).
 DRAFT_KV_WRITE_STEPS_ENV = "DYNSPEC_DRAFT_KV_WRITE_STEPS"
 MAX_DRAFT_KV_WRITE_STEPS = 64
+# Where N = 8 has run on an H200 (0.5.17, 2026-12-05, RESULTS.md): 0 mismatched greedy tokens
+# on the crafted models with the strict KV check on, the steady decode lines at c = 64 and 128
+# 0.985 of plain decoding's speed where the per-step write gave 0.971-0.979.
+DRAFT_KV_WRITE_STEPS_RELEASES = ("0.5.17",)
+DRAFT_KV_WRITE_STEPS_PROVEN = 8
 # "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
 # tokens only (``DraftPrefillWrite``; v1 and v2, where the draft KV write runs); "0" or unset:
 # SGLang's whole draft pass (it has not run on a GPU yet). On an H200 the draft's prefill pass
@@ -2678,7 +2683,10 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
     adapter.draft_kv_write = kv_write
     kv_write.runs = _use_draft_kv_write_graphs(adapter, worker, kv_write)
     if adapter.variant == "v2":
-        kv_write.steps_per_write = draft_kv_write_steps(_rank0_logger(worker, logging.WARNING))
+        proven = on_gpu_proven_release(adapter, DRAFT_KV_WRITE_STEPS_RELEASES)
+        kv_write.steps_per_write = draft_kv_write_steps(
+            _rank0_logger(worker, logging.WARNING), DRAFT_KV_WRITE_STEPS_PROVEN if proven else 1
+        )
         if kv_write.steps_per_write > 1:
             kv_write.runs += f"; {kv_write.steps_per_write} fallback steps' writes run as one"
     adapter.draft_kv_write_note = (
@@ -2686,11 +2694,12 @@ def _prepare_draft_kv_write(adapter: Adapter, worker: Any) -> None:
     )
 
 
-def draft_kv_write_steps(warn: Callable[[str], None]) -> int:
-    """``DYNSPEC_DRAFT_KV_WRITE_STEPS`` as an int in 1..64; anything else warns and gives 1."""
+def draft_kv_write_steps(warn: Callable[[str], None], default: int = 1) -> int:
+    """``DYNSPEC_DRAFT_KV_WRITE_STEPS`` as an int in 1..64, ``default`` where it is unset;
+    anything else warns and gives 1."""
     value = os.environ.get(DRAFT_KV_WRITE_STEPS_ENV, "").strip()
     if not value:
-        return 1
+        return default
     if value.isdigit() and 1 <= int(value) <= MAX_DRAFT_KV_WRITE_STEPS:
         return int(value)
     warn(
