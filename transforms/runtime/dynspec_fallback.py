@@ -3342,17 +3342,22 @@ def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str,
     if not isinstance(adapter.controller, AutoController):
         return None
     bs = len(batch.seq_lens)
-    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
     started = adapter.controller.start_step()
-    adapter.reentered = True
-    try:
-        result = entry(batch, **kwargs)
-    finally:
-        adapter.reentered = False
+    result = _run_own_entry(worker, adapter, batch, kwargs)
     source = adapter.controller.source
     reader = _tokens_per_request_reader(adapter, result, bs) if source else _no_acceptance
     _auto_finish(adapter, started, bs, reader)
     return result
+
+
+def _run_own_entry(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
+    """The worker's own (patched) entry, run from here: its hook, re-entered, answers None."""
+    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
+    adapter.reentered = True
+    try:
+        return entry(batch, **kwargs)
+    finally:
+        adapter.reentered = False
 
 
 def _needs_a_fresh_draft_state(adapter: Adapter) -> bool:
@@ -4075,18 +4080,16 @@ def _prefill_with_draft_kv_write(
             return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
         return prefill.placeholder(int(input_ids.shape[0]))
 
-    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
     own = vars(inner).get("forward")  # one set on the instance (a compiled forward) stays
     # SGLang 0.5.17+ runs the draft's prefill from a CUDA graph captured at start-up, which
     # never calls the forward set here: the runner goes without it for this pass (eager).
     runner = _draft_runner(adapter, worker)
     prefill_graph = vars(runner).get(DRAFT_PREFILL_GRAPH_ATTR)
-    adapter.reentered = True  # (the worker enters the draft's TP context around its pass)
-    inner.forward = forward
+    inner.forward = forward  # (the worker enters the draft's TP context around its pass)
     if prefill_graph is not None:
         setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, None)
     try:
-        result = entry(batch, **kwargs)
+        result = _run_own_entry(worker, adapter, batch, kwargs)
     finally:
         if prefill_graph is not None:
             setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, prefill_graph)
@@ -4094,7 +4097,6 @@ def _prefill_with_draft_kv_write(
             del inner.forward  # the class's own again
         else:
             inner.forward = own
-        adapter.reentered = False
     if written and not prefill.checked:
         _check_draft_prefill_write(worker, adapter, prefill, written)
     elif written:
