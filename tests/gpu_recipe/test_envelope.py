@@ -115,6 +115,7 @@ def test_every_region_and_level_is_a_closed_loop_with_checked_outputs(crafted_ur
         assert d["requests"] > d["concurrency"], d
         assert d["output_tokens"] == 8 * d["requests"]
         assert 0 < d["mean_outside_server_ms"] < 1000 * d["mean_latency_s"]  # beyond e2e
+        assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]  # together.py
     by_region = {d["region"]: d["mean_spec_accept_length"] for d in result["levels"]}
     assert by_region["accept0"] == 1.0 and by_region["accept90"] == 3.5
     assert 1.0 < by_region["mix"] < 3.5  # the mix's requests come from every region

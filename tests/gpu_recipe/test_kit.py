@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,8 +224,13 @@ class SweepStub(JsonHandler):
     slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
     flushes: ClassVar[list[float]] = []  # when each /flush_cache came (time.time())
     generate_ports: ClassVar[list[int]] = []  # the client port of each /generate
+    opened: ClassVar[list[int]] = []  # the client port of each connection taken
     profile_calls: ClassVar[list[tuple[str, int]]] = []  # (path, /generate calls before it)
     trace_dir = ""
+
+    def setup(self) -> None:
+        self.opened.append(self.client_address[1])
+        super().setup()
 
     def do_GET(self) -> None:
         self._reply({"speculative_algorithm": None, "version": "stub"})
@@ -270,6 +276,7 @@ def stub_url() -> Iterator[str]:
     SweepStub.slow_parity = None
     SweepStub.flushes.clear()
     SweepStub.generate_ports.clear()
+    SweepStub.opened.clear()
     SweepStub.profile_calls.clear()
     SweepStub.kernels = DEFAULT_KERNELS
 
@@ -327,6 +334,7 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         assert d["server_tok_per_s"] > d["loaded_tok_per_s"]
         assert 0 < d["mean_outside_server_ms"] < 20
         assert set(d["client_gc"]) == {"collections", "total_ms", "longest_ms"}
+        assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]  # together.py
         assert d["cache_flushed"] is True
         assert "gpu" in d  # None where no nvidia-smi answers
     # the radix cache was emptied once before each level, before its first request
@@ -375,6 +383,7 @@ def test_one_wave_levels_run_at_each_output_length(stub_url, tmp_path):
         (4, 3, 0), (4, 3, 1), (4, 9, 0), (4, 9, 1)]
     for d in levels:
         assert d["requests"] == 4 and d["output_tokens"] == 4 * d["olen"]  # one wave each
+        assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]
         assert "duration_s" not in d
 
 
@@ -423,6 +432,68 @@ def test_each_client_thread_keeps_one_connection(stub_url, tmp_path):
     ports = SweepStub.generate_ports
     assert len(ports) >= 4 + 1 + 2 * 10  # warm-up, greedy, a 0.5 s level of 2 clients
     assert len(set(ports)) <= 4 + 1 + 2  # one connection per thread
+
+
+def test_a_levels_clients_are_released_together_once_every_connection_is_open(
+    stub_url, monkeypatch
+):
+    """together.py: the c clients of a level open their connections, then run from one t0, so
+    the level's first requests leave together (clients that connected on their first request
+    sent them spread out, and an idle server prefilled them in two groups). The last client
+    to connect is slow at it; none may start before it has."""
+    import keepalive
+    import together
+
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def slow_last_connect(url: str, timeout: float) -> None:
+        with lock:
+            last = sum(e == "connect" for e in events) == 15
+        if last:
+            time.sleep(0.1)
+        keepalive.connect(url, timeout)
+        with lock:
+            events.append("connect")
+
+    monkeypatch.setattr(together, "connect", slow_last_connect)
+    body = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2}}
+
+    def client(k: int, t0: float) -> tuple[int, float]:
+        with lock:
+            events.append("client")
+        keepalive.post_json(stub_url, "/generate", body, 10)
+        return k, t0
+
+    results, t0 = together.run_together(16, client, stub_url, 10)
+    assert events == ["connect"] * 16 + ["client"] * 16
+    assert results == [(k, t0) for k in range(16)]
+    # each request went over the connection its thread opened beforehand: 16 connections
+    assert len(SweepStub.opened) == len(set(SweepStub.generate_ports)) == 16
+
+
+def test_the_start_benchmark_prints_both_starts_side_by_side():
+    done = subprocess.run(
+        [sys.executable, str(KIT.parent / "client_start.py"), "--levels", "4,8", "--repeats", "1"],
+        capture_output=True, text=True, timeout=120, check=True)
+    rows = [line for line in done.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["4", "8"]
+    for row in rows:
+        first, both, ratio = (float(x) for x in row.split("|")[2:5])
+        assert first > 0 and both > 0 and ratio == pytest.approx(both / first, rel=0.05, abs=0.01)
+
+
+def test_a_server_that_refuses_the_early_connection_is_reported_by_the_first_request():
+    import socket
+
+    import keepalive
+
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    keepalive.connect(url, 5)  # says nothing
+    with pytest.raises(ConnectionRefusedError):
+        keepalive.post_json(url, "/generate", {}, 5)
 
 
 def test_a_connection_the_server_closed_while_idle_is_opened_again(stub_url):

@@ -17,6 +17,9 @@
 # client. On an H200 that time varied from 29 to 137 ms per request between repeats of one level
 # (2026-12-04), on every kind of server, as much as the patch's whole effect. Each client thread
 # keeps one HTTP/1.1 connection open across its requests (keepalive.py), as serving clients do;
+# a level's clients open theirs before its clock starts and are then released together
+# (together.py), and each level records how far apart they sent their first requests
+# (first_sends_span_ms);
 # each level records this process's own garbage-collector pauses (gc_pauses.py, "client_gc").
 # Before each level the server's radix cache is emptied (--keep-cache: not), as envelope.py does:
 # a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
@@ -33,17 +36,18 @@
 import argparse
 import http.client
 import json
+import queue
 import random
 import statistics
 import sys
 import time
 import urllib.error
-from concurrent.futures import ThreadPoolExecutor
 
 import server_info  # beside this script
 from gc_pauses import GcPauses
 from gpu_sampler import GpuSampler
 from keepalive import post_json
+from together import first_sends_span_ms, run_together
 
 a = None  # the parsed arguments (main)
 
@@ -82,10 +86,26 @@ def gen(ids, olen=None):
 
 
 def run(reqs, conc, olen=None):
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(conc) as ex:
-        res = list(ex.map(lambda ids: gen(ids, olen), reqs))
-    return res, time.perf_counter() - t0
+    """``reqs`` sent by ``conc`` clients released together, each taking the next one as its
+    last returns; (results in the order of reqs, wall seconds, how far apart in ms the clients
+    sent their first requests)."""
+    todo = queue.SimpleQueue()
+    for i in range(len(reqs)):
+        todo.put(i)
+    res = [None] * len(reqs)
+    first_sends = []
+
+    def client(_k, _t0):
+        first_sends.append(time.perf_counter())
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            res[i] = gen(reqs[i], olen)
+
+    _, t0 = run_together(conc, client, a.url, a.timeout)
+    return res, time.perf_counter() - t0, first_sends_span_ms(first_sends)
 
 
 def pool_lengths(rng, size, olen, spread):
@@ -100,17 +120,19 @@ def run_for(seed, conc, duration, olen=None):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
-    pool by prompt index, loaded tokens/s, the same by the server's times). Client k sends
-    prompts k, k + conc, ...: how many each one finishes depends on the server's timing, so
-    outputs are compared by prompt, never by position in the results."""
-    t0 = time.perf_counter()
+    pool by prompt index, loaded tokens/s, the same by the server's times, how far apart in ms
+    the clients sent their first requests). Client k sends prompts k, k + conc, ...: how many
+    each one finishes depends on the server's timing, so outputs are compared by prompt, never
+    by position in the results. The clients start together (together.py)."""
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
     lengths = pool_lengths(rng, len(pool), olen or a.olen, a.olen_spread)
     by_prompt = {}
+    first_sends = []
 
-    def client(k):
+    def client(k, t0):
         done, i = [], k
+        first_sends.append(time.perf_counter())
         while time.perf_counter() - t0 < duration:
             r = gen(pool[i % len(pool)], lengths[i % len(pool)])
             by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
@@ -118,10 +140,10 @@ def run_for(seed, conc, duration, olen=None):
             i += conc
         return done
 
-    with ThreadPoolExecutor(conc) as ex:
-        parts = list(ex.map(client, range(conc)))
+    parts, t0 = run_together(conc, client, a.url, a.timeout)
     res = [r for part in parts for r in part]
-    return res, time.perf_counter() - t0, by_prompt, loaded_rate(parts), server_rate(parts)
+    return (res, time.perf_counter() - t0, by_prompt, loaded_rate(parts), server_rate(parts),
+            first_sends_span_ms(first_sends))
 
 
 def tokens(result):
@@ -248,12 +270,12 @@ def main(argv):
         try:
             with GpuSampler() as gpu, GcPauses() as pauses:
                 if a.duration > 0:
-                    res, wall, by_prompt, loaded, served = run_for(
+                    res, wall, by_prompt, loaded, served, first_span = run_for(
                         1000 + c + 7919 * rep, c, a.duration, olen
                     )
                     firsts = [by_prompt.get(i) for i in range(min(16, c))]
                 else:
-                    res, wall = run(prompts(1000 + c, n), c, olen)
+                    res, wall, first_span = run(prompts(1000 + c, n), c, olen)
                     firsts = [r.get("output_ids") for r, _ in res[:16]]
             d = summarize(res, wall, c)
             d["repeat"] = rep
@@ -263,6 +285,7 @@ def main(argv):
                 d["olen_spread"] = a.olen_spread
                 d["loaded_tok_per_s"] = round(loaded, 1)
                 d["server_tok_per_s"] = None if served is None else round(served, 1)
+            d["first_sends_span_ms"] = first_span
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
             d["client_gc"] = pauses.summary()

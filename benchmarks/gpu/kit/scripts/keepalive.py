@@ -9,6 +9,7 @@ steady decode steps differed by 1 %.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -43,8 +44,7 @@ def _post_once(base_url: str, path: str, body: Any, timeout: float) -> Any:
     conns = _open()
     conn = conns.get(base_url)
     if conn is None:
-        url = urllib.parse.urlsplit(base_url)
-        conn = conns[base_url] = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+        conn = conns[base_url] = _connection(base_url, timeout)
     try:
         conn.request(
             "POST", path, body=json.dumps(body).encode(),
@@ -59,3 +59,19 @@ def _post_once(base_url: str, path: str, body: Any, timeout: float) -> Any:
     if r.status != 200:
         raise urllib.error.HTTPError(base_url + path, r.status, r.reason, r.headers, None)
     return json.loads(data)
+
+
+def connect(base_url: str, timeout: float) -> None:
+    """Open this thread's connection to ``base_url`` now, before its first request needs it
+    (a closed loop opens every client's connection before its clock starts: together.py). A
+    server that does not answer is left to the first request to report."""
+    conns = _open()
+    if base_url not in conns:
+        conns[base_url] = _connection(base_url, timeout)
+        with contextlib.suppress(OSError):  # http.client connects again on the first request
+            conns[base_url].connect()
+
+
+def _connection(base_url: str, timeout: float) -> http.client.HTTPConnection:
+    url = urllib.parse.urlsplit(base_url)
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
