@@ -1366,7 +1366,7 @@ def new_decode_batch(world: World, bs: int, seq_len: int) -> Any:
     return world.batch
 
 
-def new_prefill_batch(world: World, extend_lens: list[int], first_slot: int = 6000) -> Any:
+def new_prefill_batch(extend_lens: list[int], first_slot: int = 6000) -> Any:
     """A prefill batch of requests adding ``extend_lens`` tokens to empty contexts, into
     consecutive slots from ``first_slot``."""
     batch = _V2Batch()
@@ -1388,6 +1388,17 @@ def draft_runner(world: World) -> Any:
     if world.shape.variant == "v1":
         return world.worker.draft_model_runner
     return world.worker.draft_worker.draft_runner
+
+
+def world_with_draft_model(shape: Any, **server_args: Any) -> World:
+    """A World on ``shape`` (threshold 2 and a minimum dwell of one step unless given) whose
+    draft runner has a one-layer EAGLE-3 draft model, its batch holding draft state."""
+    server_args.setdefault("threshold", 2)
+    server_args.setdefault("speculative_disable_min_dwell_steps", 1)
+    world = World(shape, **server_args)
+    give_draft_model(world)
+    draft_state(world.batch)
+    return world
 
 
 def give_draft_model(world: World, **model_kwargs: Any) -> Any:

@@ -37,23 +37,16 @@ def _kv_write_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_world(shapes: Any, version: str, *, width1: bool = False, **kwargs: Any) -> Any:
-    from tests.runtime.standins import World, draft_state, give_draft_model
+    from tests.runtime.standins import world_with_draft_model
 
-    kwargs.setdefault("threshold", 2)
-    world = World(
-        shapes[version],
-        speculative_num_steps=3,
-        speculative_num_draft_tokens=N,
-        speculative_disable_min_dwell_steps=1,
-        **kwargs,
+    world = world_with_draft_model(
+        shapes[version], speculative_num_steps=3, speculative_num_draft_tokens=N, **kwargs
     )
     if width1:
         draft = world.worker.draft_worker
         draft.cuda_graph_runner_for_draft_extend = "n-token-graphs"
         draft.draft_extend_attn_backend = "n-token-backend"
         world.server_args.cuda_graph_bs = [1, 2, 4, 8]
-    give_draft_model(world)
-    draft_state(world.batch)
     return world
 
 

@@ -50,17 +50,10 @@ def decode_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_world(variant: str, release: str = "0.5.12.post1", **kwargs: Any) -> Any:
-    from tests.runtime.standins import World, draft_state, give_draft_model, read_shape
+    from tests.runtime.standins import read_shape, world_with_draft_model
 
-    world = World(
-        read_shape(release, variant),
-        threshold=2,
-        speculative_disable_min_dwell_steps=1,
-        **kwargs,
-    )
+    world = world_with_draft_model(read_shape(release, variant), **kwargs)
     world.worker.target_worker.model_runner.attn_backend = "verify"
-    give_draft_model(world)
-    draft_state(world.batch)
     return world
 
 

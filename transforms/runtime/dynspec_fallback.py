@@ -4085,10 +4085,11 @@ def _prefill_with_draft_kv_write(
     # never calls the forward set here: the runner goes without it for this pass (eager).
     runner = _draft_runner(adapter, worker)
     prefill_graph = vars(runner).get(DRAFT_PREFILL_GRAPH_ATTR)
-    inner.forward = forward  # (the worker enters the draft's TP context around its pass)
+    inner.forward = forward
     if prefill_graph is not None:
         setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, None)
     try:
+        # the worker's own entry: it enters the draft's TP context around its pass
         result = _run_own_entry(worker, adapter, batch, kwargs)
     finally:
         if prefill_graph is not None:
