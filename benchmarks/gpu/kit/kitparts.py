@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Build the offline parts for one SGLang release from the package index (build_parts.sh).
 
-  kitparts.py build RELEASE OUTDIR [--cache DIR] [--pins FILE|latest] [--limit-mib 58]
+  kitparts.py build RELEASE OUTDIR [--cache DIR] [--pins FILE|latest] [--limit-mib M]
                                    [--glibc 2.34]
-  kitparts.py dists DIR            names and versions of the distributions in DIR/partA, DIR/partB
+  kitparts.py dists DIR            names and versions of the distributions in DIR/part*
   kitparts.py compare OLD NEW      same distributions (names + versions) in both? exit 1 if not
 
 Only `pip download --no-deps --only-binary=:all:` touches the index; the rest reads wheel files.
@@ -461,16 +461,13 @@ def cmd_build(a):
     torch_pin = [str(r.specifier) for r in sg.reqs if canonicalize_name(r.name) == "torch"]
     log(f"release pins torch{''.join(torch_pin)}; host has torch {host.get('torch')}")
 
-    for part in ("partA", "partB"):
-        if (out / part).exists():
-            shutil.rmtree(out / part)
-        (out / part).mkdir(parents=True)
     work = cache / f"trim-{a.release}"
     work.mkdir(parents=True, exist_ok=True)
 
     items = []  # (pref part, filename, path, dist, version, source)
     items.append(("A", sg.path.name, sg.path, "sglang", sg.version, "release"))
-    libs = []
+    libs = []  # the kernel's shared libraries the host lacks
+    kernel = None  # the trimmed kernel's file
     for row in rows:
         name = row["name"]
         if name in skipped:
@@ -495,6 +492,7 @@ def cmd_build(a):
                     )
                 libs.append((so, src))
             items.append((row["part"], tgz.name, tgz, d.name, d.version, d.source))
+            kernel = tgz.name
         elif row["mode"] == "xgrammar":
             tgz = work / f"xgrammar-{d.version}-nolib.tar.gz"
             kept, dropped, _ = wheel_to_tar(d.path, tgz, xgrammar_drop)
@@ -503,30 +501,22 @@ def cmd_build(a):
         else:
             items.append((row["part"], d.path.name, d.path, d.name, d.version, d.source))
 
-    # pack: preferred part first; A's items move to B from the bottom up while A is too big
-    limit = int(a.limit_mib * MIB)
-    slack = 64 * 1024  # directory entries, lib/
+    limit = int(a.limit_mib * MIB) if a.limit_mib else carry_limit(checkout_bytes(KIT))
     size = {i[1]: i[2].stat().st_size for i in items}
-    lib_size = sum(src.stat().st_size for _, src in libs)
-    part = {i[1]: i[0] for i in items}
-    a_order = [i[1] for i in items if i[0] == "A"]
-
-    def total(p):
-        return sum(size[f] for f in size if part[f] == p) + (lib_size if p == "B" else 0) + slack
-
-    while total("A") > limit and len(a_order) > 1:
-        moved = a_order.pop()
-        part[moved] = "B"
-        log(
-            f"part A would be {total('A') / MIB + size[moved] / MIB:.1f} MiB: "
-            f"moving {moved} to part B"
-        )
-    for name in sorted((f for f in size if part[f] == "B"), key=lambda f: -size[f]):
-        if total("B") <= limit:
-            break
-        if total("A") + size[name] <= limit:
-            part[name] = "A"
-            log(f"part B too big: moving {name} to part A")
+    if libs:  # the kernel's libraries travel in its part's lib/
+        size[kernel] += sum(src.stat().st_size for _, src in libs)
+    try:
+        part = pack_parts([(i[1], i[0], size[i[1]]) for i in items], limit - PART_SLACK_BYTES)
+    except ValueError as exc:
+        die(str(exc))
+    for fname, letter in part.items():
+        if letter != next(i[0] for i in items if i[1] == fname):
+            log(f"{fname}: part {letter}")
+    parts = sorted({f"part{letter}" for letter in part.values()})
+    for stale in (p for p in out.glob("part*") if p.is_dir()):
+        shutil.rmtree(stale)
+    for name in parts:
+        (out / name).mkdir(parents=True)
 
     manifest = []
     for _pref, fname, path, dist, ver, source in items:
@@ -536,12 +526,12 @@ def cmd_build(a):
             (f"part{part[fname]}", fname, dest.stat().st_size, sha256(dest), dist, ver, source)
         )
     for so, src in libs:
-        (out / "partB" / "lib").mkdir(exist_ok=True)
-        dest = out / "partB" / "lib" / so
+        (out / f"part{part[kernel]}" / "lib").mkdir(exist_ok=True)
+        dest = out / f"part{part[kernel]}" / "lib" / so
         shutil.copyfile(src, dest)
         manifest.append(
             (
-                "partB",
+                f"part{part[kernel]}",
                 f"lib/{so}",
                 dest.stat().st_size,
                 sha256(dest),
@@ -585,21 +575,77 @@ def cmd_build(a):
         )
     for e in errors:
         log(f"ERROR: {e}")
-    sizes = {p: du_b(out / p) for p in ("partA", "partB")}
-    log(
-        f"sizes (du -b): partA {sizes['partA']} B ({sizes['partA'] / MIB:.1f} MiB), "
-        f"partB {sizes['partB']} B ({sizes['partB'] / MIB:.1f} MiB); limit {limit} B"
-    )
+    sizes = {p: du_b(out / p) for p in parts}
+    log("sizes (du -b): " + ", ".join(f"{p} {n} B ({n / MIB:.1f} MiB)" for p, n in sizes.items())
+        + f"; limit {limit} B a part")
+    (out / "PARTS.txt").write_text("".join(f"{p}\n" for p in parts))  # install in this order
+    for p in (p for p, n in sizes.items() if n > limit):
+        die(f"{p} holds {sizes[p]} B, over the {limit} B one run carries beside the checkout")
     if errors:
         die(f"{len(errors)} constraint(s) broken; see above")
 
 
+# ---------------------------------------------------------------- packing
+RUN_CARRY_BYTES = 64 * MIB  # one device run carries the checkout and the named paths, this much
+CARRY_MARGIN_BYTES = 2 * MIB  # the checkout grows between a build and the run
+PART_SLACK_BYTES = 64 * 1024  # directory entries, lib/ (du -b counts them)
+
+
+def checkout_bytes(inside: Path) -> int:
+    """The bytes a device run lays down from the checkout holding ``inside``: its tracked files
+    and the untracked ones git does not ignore."""
+    root = subprocess.run(["git", "-C", str(inside), "rev-parse", "--show-toplevel"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    names = subprocess.run(
+        ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True, capture_output=True, text=True).stdout.split("\0")
+    return sum((Path(root) / n).stat().st_size for n in names if n and (Path(root) / n).is_file())
+
+
+def carry_limit(checkout: int) -> int:
+    """The most one part may hold so that it and the checkout travel in one run."""
+    return RUN_CARRY_BYTES - checkout - CARRY_MARGIN_BYTES
+
+
+def pack_parts(items: list[tuple[str, str, int]], limit: int) -> dict[str, str]:
+    """Each file's part letter, from (file, preferred letter, bytes) in listed order.
+
+    The first file (the release's wheel) stays in part A, which install.sh takes first. A
+    part over ``limit`` hands its last-listed files on to the next letter (B, C, ...); the
+    files handed on then move back into the earliest part with room, largest first.
+    """
+    for name, _pref, size in items:
+        if size > limit:
+            raise ValueError(f"{name} alone ({size / MIB:.1f} MiB) exceeds a part's "
+                             f"{limit / MIB:.1f} MiB")
+    first = items[0][0]
+    part = {name: pref for name, pref, _size in items} | {first: "A"}
+    size = {name: n for name, _pref, n in items}
+
+    def total(letter: str) -> int:
+        return sum(size[f] for f in part if part[f] == letter)
+
+    letter = "A"
+    while letter <= max(part.values()):
+        movable = [name for name, _p, _s in items if part[name] == letter and name != first]
+        while total(letter) > limit:
+            part[movable.pop()] = chr(ord(letter) + 1)
+        letter = chr(ord(letter) + 1)
+    handed_on = [name for name, pref, _s in items if part[name] != pref and name != first]
+    for name in sorted(handed_on, key=lambda f: -size[f]):
+        for earlier in sorted({p for p in part.values() if p < part[name]}):
+            if total(earlier) + size[name] <= limit:
+                part[name] = earlier
+                break
+    return part
+
+
 # ---------------------------------------------------------------- listing / compare
 def part_dists(d: Path) -> dict[str, tuple[str, str]]:
-    """name -> (version, part) for the wheels, trimmed tars and libraries in D/partA, D/partB."""
+    """name -> (version, part) for the wheels, trimmed tars and libraries in D/part*."""
     out = {}
-    for part in ("partA", "partB"):
-        p = d / part
+    for p in sorted(d.glob("part*")):
+        part = p.name
         if not p.is_dir():
             continue
         for f in sorted(p.iterdir()):
@@ -657,7 +703,9 @@ def main():
     b.add_argument("release")
     b.add_argument("outdir")
     b.add_argument("--pins", default=str(KIT / "pins.txt"))
-    b.add_argument("--limit-mib", type=float, default=58.0)
+    b.add_argument("--limit-mib", type=float, default=None,
+                   help="the most one part may hold (default: what one run carries beside "
+                   "this checkout)")
     b.add_argument("--cache", default=common["cache"])
     b.add_argument("--index", default=common["index"])
     b.add_argument("--glibc", default=common["glibc"])
