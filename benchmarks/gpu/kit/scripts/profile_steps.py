@@ -33,6 +33,9 @@ import threading
 import time
 import urllib.request
 
+from keepalive import post_json  # beside this script
+from together import run_together
+
 ap = argparse.ArgumentParser()
 ap.add_argument("url")
 ap.add_argument("outdir")
@@ -86,7 +89,7 @@ def prompt(rng):
 
 def generate(ids, olen):
     body = {"max_new_tokens": olen, "temperature": 0, "ignore_eos": True}
-    post("/generate", {"input_ids": ids, "sampling_params": body})
+    post_json(a.url, "/generate", {"input_ids": ids, "sampling_params": body}, 600)
 
 
 def client(k):
@@ -246,18 +249,12 @@ def run_wave(trace_dir):
     rng = random.Random(0)
     prompts = [[prompt(rng) for _ in range(a.waves)] for _ in range(a.concurrency)]
     post("/start_profile", {"output_dir": trace_dir, "activities": ["GPU"]})
-    gate = threading.Barrier(a.concurrency)
 
-    def one(mine):
-        gate.wait()
-        for ids in mine:
+    def one(k, _t0):
+        for ids in prompts[k]:
             generate(ids, a.wave)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_together(a.concurrency, one, a.url, 600)  # connections open, then released at once
     post("/stop_profile", {})
     return wait_for_trace(trace_dir)
 
