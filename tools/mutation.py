@@ -153,6 +153,26 @@ TARGETS: dict[str, Target] = {
         why="the v2 fallback's draft KV write: when it is used, what it computes and stores, "
             "the check against SGLang's draft-extend, the draft state it hands on; and the TP "
             "group every start-up agreement runs over"),
+    "batched_kv_write": Target(
+        RUNTIME,
+        ("tests/runtime/test_draft_kv_write.py", "tests/runtime/test_draft_prefill_write.py"),
+        functions=(
+            *_methods("DraftKvWrite", "defer", "flush"), "x_draft_kv_write_steps",
+            "x_settle_draft_kv",
+        ),
+        why="the batched draft KV write (DYNSPEC_DRAFT_KV_WRITE_STEPS): which steps keep their "
+            "rows, when the kept rows are stored and in which order, and its setting"),
+    "draft_prefill_write": Target(
+        RUNTIME,
+        ("tests/runtime/test_draft_prefill_write.py",),
+        functions=(
+            *_methods("DraftPrefillWrite", "takes", "placeholder"),
+            "x__prepare_draft_prefill_write", "x__prefill_stores_draft_kv_only",
+            "x__prefill_with_draft_kv_write", "x__check_draft_prefill_write", "x__run_own_entry",
+        ),
+        why="the prefill's draft pass as K and V only (DYNSPEC_DRAFT_PREFILL_WRITE): which "
+            "prefills take it, the first one's check, SGLang's prefill graph set aside for it, "
+            "what it hands on"),
     "draft_kv_write_graphs": Target(
         RUNTIME,
         ("tests/runtime/test_draft_kv_write_graphs.py", "tests/runtime/test_warmup.py",

@@ -745,7 +745,8 @@ def test_one_step_per_write_writes_at_once_without_copies(shapes):
     assert not kv_write.kept
 
 
-@pytest.mark.parametrize(("value", "steps", "warns"), [("", 1, False), ("4", 4, False),
+@pytest.mark.parametrize(("value", "steps", "warns"), [("", 1, False), ("1", 1, False),
+                                                       ("4", 4, False), ("64", 64, False),
                                                        ("0", 1, True), ("65", 1, True),
                                                        ("two", 1, True)])
 def test_the_steps_per_write_setting(monkeypatch, value, steps, warns):
