@@ -170,6 +170,12 @@ TARGETS: dict[str, Target] = {
             "x__prepare_draft_prefill_write", "x__prefill_stores_draft_kv_only",
             "x__prefill_with_draft_kv_write", "x__check_draft_prefill_write", "x__run_own_entry",
         ),
+        equivalent=(
+            ("x__check_draft_prefill_write", '"XX; XX".join', "the draft's forward runs once "
+             "per prefill, so one write is checked: the separator is never written"),
+            ("xǁDraftPrefillWriteǁplaceholder", "weight.shape[+1]", "the embedding weight is "
+             "2-D: shape[1] is shape[-1]"),
+        ),
         why="the prefill's draft pass as K and V only (DYNSPEC_DRAFT_PREFILL_WRITE): which "
             "prefills take it, the first one's check, SGLang's prefill graph set aside for it, "
             "what it hands on"),

@@ -104,11 +104,15 @@ def test_in_fallback_a_prefill_stores_the_draft_kv_alone_once_checked(shapes, ve
         result = prefill(world, [4, 2], 7000)  # K and V alone
 
     assert model.passes == 1  # SGLang's pass did not run for the second prefill
+    detail = (f"max |dK| 0 of {_largest(world, 6000, 8, 'k')}, "
+              f"max |dV| 0 of {_largest(world, 6000, 8, 'v')}")
     assert prefill_lines(caplog) == [
-        "[dynspec] draft prefill write matches SGLang's draft pass over 8 tokens (max |dK| 0 "
-        f"of {_largest(world, 6000, 8, 'k')}, max |dV| 0 of {_largest(world, 6000, 8, 'v')}): "
+        f"[dynspec] draft prefill write matches SGLang's draft pass over 8 tokens ({detail}): "
         "prefills while fallback steps run now store the draft KV only"
     ]
+    assert adapter_of(world).draft_prefill_write_note == (
+        f"prefills in fallback store the draft KV only (checked over 8 tokens: {detail})"
+    )
     slots = new_prefill_batch([4, 2], 7000).out_cache_loc
     k, v = stored_draft_kv(world, slots)
     want_k, want_v = sglang_pass_kv(shapes, version, [4, 2], 7000)
@@ -223,6 +227,49 @@ def test_a_draft_pass_the_write_does_not_reproduce_is_refused_for_good(shapes, c
     assert line.startswith("[dynspec] draft prefill write differs from SGLang's draft pass over 8")
     assert line.endswith("; prefills keep SGLang's draft pass")
     assert not adapter_of(world).draft_state_stale
+    assert adapter_of(world).draft_prefill_write_note == (
+        f"SGLang's draft pass (the prefill write differed: {prefill_write.broken})"
+    )
+
+
+def test_a_check_that_cannot_read_the_pool_back_keeps_sglangs_pass_for_good(shapes, caplog):
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill_write = adapter_of(world).draft_prefill_write
+
+    def unreadable(*args: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    prefill_write.kv_write.matches = unreadable
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert prefill(world, [3, 5], 6000) is not None  # both passes; no comparison
+        assert prefill(world, [2], 7000) is None  # SGLang's own prefill from then on
+    assert not prefill_write.checked
+    assert prefill_write.broken == (
+        "reading the KV pool back raised RuntimeError: CUDA error: an illegal memory access"
+    )
+    (line,) = prefill_lines(caplog)
+    assert line.startswith("[dynspec] draft prefill write differs from SGLang's draft pass over 8")
+    assert not adapter_of(world).draft_state_stale
+
+
+@pytest.mark.parametrize("matches", [True, False], ids=["matches", "differs"])
+def test_the_check_logs_once_on_tp_rank_0_a_difference_as_a_warning(shapes, caplog, matches):
+    def check_logs(rank: int) -> list[logging.LogRecord]:
+        world = make_world(shapes)
+        in_fallback_and_checked(world)
+        world.worker.tp_rank = rank
+        if not matches:
+            adapter_of(world).draft_prefill_write.kv_write.matches = lambda *args: (False, "d")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=dyn.__name__):
+            prefill(world, [3, 5], 6000)
+        assert adapter_of(world).draft_prefill_write.checked == matches
+        return [r for r in caplog.records if "draft prefill write" in r.getMessage()]
+
+    assert check_logs(1) == []
+    (record,) = check_logs(0)
+    assert record.levelno == (logging.INFO if matches else logging.WARNING)
 
 
 @pytest.mark.parametrize(
