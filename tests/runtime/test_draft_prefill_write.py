@@ -253,6 +253,34 @@ def test_a_check_that_cannot_read_the_pool_back_keeps_sglangs_pass_for_good(shap
     assert not adapter_of(world).draft_state_stale
 
 
+@pytest.mark.parametrize("by", ["position", "keyword"])
+def test_a_draft_pass_given_embeddings_runs_sglangs_pass_with_them(shapes, by):
+    """Embeddings handed to the draft model in place of its tokens' (``input_embeds``, as
+    SGLang passes them positionally or by name) are not what the write computes from: that
+    pass is SGLang's, with those embeddings."""
+    import torch
+
+    from tests.runtime.standins import draft_runner, new_prefill_batch, stored_draft_kv
+
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)  # the check
+    lm, model = draft_runner(world).model, inner_model(world)
+
+    def forward_with_embeds(input_ids: Any, positions: Any, forward_batch: Any) -> Any:
+        embeds = model.embed_tokens(input_ids.long()) + 0.5
+        args, kw = ((embeds,), {}) if by == "position" else ((), {"input_embeds": embeds})
+        return lm.head(model(input_ids, positions, forward_batch, *args, **kw), forward_batch)
+
+    lm.forward = forward_with_embeds
+    passes = model.passes
+    assert prefill(world, [2], 7000) is not None
+    assert model.passes == passes + 1  # SGLang's pass ran
+    k, _ = stored_draft_kv(world, new_prefill_batch([2], 7000).out_cache_loc)
+    plain_k, _ = sglang_pass_kv(shapes, "0.5.17", [2], 7000)
+    assert not torch.equal(k, plain_k)  # from the embeddings given, not the tokens'
+
+
 @pytest.mark.parametrize("matches", [True, False], ids=["matches", "differs"])
 def test_the_check_logs_once_on_tp_rank_0_a_difference_as_a_warning(shapes, caplog, matches):
     def check_logs(rank: int) -> list[logging.LogRecord]:
@@ -490,10 +518,29 @@ def test_a_write_that_raises_keeps_sglangs_pass_for_good(shapes, caplog, checked
     assert adapter_of(world).draft_prefill_write.broken == (
         "the write raised RuntimeError: shape [5, 4] is invalid"
     )
-    (line,) = prefill_lines(caplog)
-    assert line.endswith("shape [5, 4] is invalid; prefills keep SGLang's draft pass")
+    (record,) = [r for r in caplog.records if "draft prefill write" in r.getMessage()]
+    assert record.getMessage() == (
+        "[dynspec] draft prefill write raised RuntimeError: shape [5, 4] is invalid; prefills "
+        "keep SGLang's draft pass"
+    )
+    assert record.levelno == logging.WARNING
     assert not adapter_of(world).draft_state_stale
     adapter_of(world).draft_kv_write.write = write
+
+
+def test_a_write_that_raises_is_logged_on_tp_rank_0_only(shapes, caplog):
+    world = make_world(shapes)
+    in_fallback_and_checked(world)
+    world.worker.tp_rank = 1
+
+    def raising(*args: Any) -> Any:
+        raise RuntimeError("out of memory")
+
+    adapter_of(world).draft_kv_write.write = raising
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        prefill(world, [2], 7000)
+    assert adapter_of(world).draft_prefill_write.broken
+    assert prefill_lines(caplog) == []
 
 
 def with_prefill_graph(world: Any) -> Any:
