@@ -4061,9 +4061,12 @@ def _prefill_with_draft_kv_write(
     written: list[tuple[Any, Any, Any]] = []  # (K, V, slots) of each pass it took
 
     def forward(input_ids: Any, positions: Any, forward_batch: Any, *args: Any, **kw: Any):
+        def sglang_pass() -> Any:
+            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+
         embeds = args[0] if args else kw.get("input_embeds")
         if not prefill.takes(input_ids, forward_batch, embeds):
-            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+            return sglang_pass()
         loc = forward_batch.out_cache_loc
         hidden = forward_batch.spec_info.hidden_states
         try:
@@ -4074,10 +4077,10 @@ def _prefill_with_draft_kv_write(
                 f"[dynspec] draft prefill write raised {type(exc).__name__}: {exc}; prefills "
                 "keep SGLang's draft pass"
             )
-            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+            return sglang_pass()
         written.append((k, v, loc))
         if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
-            return sglang_forward(input_ids, positions, forward_batch, *args, **kw)
+            return sglang_pass()
         return prefill.placeholder(int(input_ids.shape[0]))
 
     own = vars(inner).get("forward")  # one set on the instance (a compiled forward) stays
