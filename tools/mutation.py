@@ -177,6 +177,7 @@ TARGETS: dict[str, Target] = {
              "2-D: shape[1] is shape[-1]"),
             ("x__prepare_draft_prefill_write", "DRAFT_PREFILL_WRITE_ENV, None)", "the default "
              "is read as a truth value: None and False are both false"),
+            ("x__run_own_entry", "adapter.reentered = None", "only ever read as a truth value"),
         ),
         why="the prefill's draft pass as K and V only (DYNSPEC_DRAFT_PREFILL_WRITE): which "
             "prefills take it, the first one's check, SGLang's prefill graph set aside for it, "

@@ -174,6 +174,9 @@ def test_before_the_draft_kv_write_is_checked_a_prefill_keeps_sglangs_pass(shape
     assert prefill(world, [3], 6000) is None
     assert inner_model(world).passes == 0  # the hook did not run the prefill
     assert not adapter.draft_prefill_write.checked
+    assert adapter.draft_prefill_write_note == (
+        "prefills in fallback store the draft KV only (checked at the first one)"
+    )
 
 
 @pytest.mark.parametrize("value", [None, "0", "yes"])
@@ -381,13 +384,16 @@ def test_with_tp_the_check_must_pass_on_every_rank(shapes, caplog):
 
 def test_the_prefill_it_runs_passes_through_the_patched_entrys_hook(shapes, monkeypatch):
     """The patched worker's entry calls the hook first: re-entered from ``_v2_prefill``, the
-    hook answers None and the worker's own prefill runs (once)."""
+    hook answers None and the worker's own prefill runs (once), with the arguments the
+    scheduler gave (0.5.14+: ``on_publish``)."""
     world = make_world(shapes)
     worker_cls = type(world.worker)
     own_entry = worker_cls.forward_batch_generation
     hook_answers: list[Any] = []
+    entry_kwargs: list[dict[str, Any]] = []
 
     def patched_entry(self, batch, *args, **kwargs):
+        entry_kwargs.append(kwargs)
         answer = dyn.maybe_fallback_v2(self, batch, **kwargs)
         hook_answers.append(answer)
         if answer is not None:
@@ -397,12 +403,17 @@ def test_the_prefill_it_runs_passes_through_the_patched_entrys_hook(shapes, monk
     monkeypatch.setattr(worker_cls, "forward_batch_generation", patched_entry)
     in_fallback_and_checked(world)
     hook_answers.clear()
+    entry_kwargs.clear()
     from tests.runtime.standins import new_prefill_batch
 
+    def on_publish(new_seq_lens: Any) -> None:
+        pass
+
     for first_slot in (6000, 7000):  # the checking prefill, then one with K and V alone
-        result = world.worker.forward_batch_generation(new_prefill_batch([3], first_slot))
-        assert result is not None
+        batch = new_prefill_batch([3], first_slot)
+        assert world.worker.forward_batch_generation(batch, on_publish=on_publish) is not None
     assert [a is None for a in hook_answers] == [True, False, True, False]
+    assert entry_kwargs == [{"on_publish": on_publish}] * 4
     assert len([n for n, _ in world.recorder.events if n == "prefill"]) == 2
 
 

@@ -3352,7 +3352,7 @@ def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str,
 
 def _run_own_entry(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
     """The worker's own (patched) entry, run from here: its hook, re-entered, answers None."""
-    entry = getattr(worker, adapter.names.get("entry") or "forward_batch_generation")
+    entry = getattr(worker, adapter.names["entry"])
     adapter.reentered = True
     try:
         return entry(batch, **kwargs)
