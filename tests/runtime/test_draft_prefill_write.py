@@ -502,6 +502,15 @@ def test_only_a_pass_with_a_hidden_state_and_a_slot_per_token_is_taken():
     assert not takes(tokens[:0], forward_batch(0, 0), None)  # nothing to store
     assert not takes(tokens, forward_batch(3, 3, ForwardMode.IDLE), None)
     assert not takes(tokens, forward_batch(3, 3), torch.zeros(3, 2))  # embeddings given
+    assert not takes(tokens, forward_batch(3, 3, None), None)  # no mode: not ours to judge
+    no_mode = forward_batch(3, 3)
+    del no_mode.forward_mode
+    assert not takes(tokens, no_mode, None)
+    no_hidden = forward_batch(3, 3)
+    del no_hidden.spec_info.hidden_states
+    assert not takes(tokens, no_hidden, None)
+    del no_hidden.spec_info
+    assert not takes(tokens, no_hidden, None)
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["checking", "checked"])

@@ -2760,7 +2760,7 @@ class DraftPrefillWrite:
         target hidden state and a slot for each, no embeddings given in their place
         (multimodal inputs, ``input_embeds``). Anything else runs SGLang's pass."""
         mode = getattr(forward_batch, "forward_mode", None)
-        if mode is None or mode.is_idle() or not mode.is_extend() or input_embeds is not None:
+        if mode is None or not mode.is_extend() or input_embeds is not None:  # IDLE is not extend
             return False
         if getattr(forward_batch, "mm_input_embeds", None) is not None:
             return False
