@@ -202,9 +202,17 @@ def test_without_the_draft_kv_write_it_is_not_taken_and_says_so(shapes, monkeypa
     assert prefill(world, [3], 6000) is None
     assert adapter_of(world).draft_prefill_write is None
     assert adapter_of(world).draft_prefill_write_note == "SGLang's draft pass (no draft KV write)"
-    (line,) = [r.getMessage() for r in caplog.records if "DRAFT_PREFILL_WRITE" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "DRAFT_PREFILL_WRITE" in r.getMessage()]
+    line = record.getMessage()
     assert line.startswith("[dynspec] DYNSPEC_DRAFT_PREFILL_WRITE=1 not used: it needs the draft")
     assert line.endswith("; prefills keep SGLang's draft pass")
+    assert record.levelno == logging.WARNING
+    other_rank = make_world(shapes)
+    other_rank.worker.tp_rank = 1
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(other_rank, 3, 10)
+    assert not [r for r in caplog.records if "DRAFT_PREFILL_WRITE" in r.getMessage()]
 
 
 def test_a_draft_pass_the_write_does_not_reproduce_is_refused_for_good(shapes, caplog):
@@ -511,6 +519,9 @@ def test_only_a_pass_with_a_hidden_state_and_a_slot_per_token_is_taken():
     assert not takes(tokens, no_hidden, None)
     del no_hidden.spec_info
     assert not takes(tokens, no_hidden, None)
+    no_slots = forward_batch(3, 3)
+    del no_slots.out_cache_loc
+    assert not takes(tokens, no_slots, None)
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["checking", "checked"])
