@@ -465,9 +465,10 @@ def test_a_levels_clients_are_released_together_once_every_connection_is_open(
         keepalive.post_json(stub_url, "/generate", body, 10)
         return k, t0
 
-    results, t0 = together.run_together(16, client, stub_url, 10)
+    results, t0, span_ms = together.run_together(16, client, stub_url, 10)
     assert events == ["connect"] * 16 + ["client"] * 16
     assert results == [(k, t0) for k in range(16)]
+    assert 0 <= span_ms < 100  # released at once: not the slow connect's 100 ms
     # each request went over the connection its thread opened beforehand: 16 connections
     assert len(SweepStub.opened) == len(set(SweepStub.generate_ports)) == 16
 

@@ -47,7 +47,7 @@ import server_info  # beside this script
 from gc_pauses import GcPauses
 from gpu_sampler import GpuSampler
 from keepalive import post_json
-from together import first_sends_span_ms, run_together
+from together import run_together
 
 a = None  # the parsed arguments (main)
 
@@ -93,10 +93,8 @@ def run(reqs, conc, olen=None):
     for i in range(len(reqs)):
         todo.put(i)
     res = [None] * len(reqs)
-    first_sends = []
 
     def client(_k, _t0):
-        first_sends.append(time.perf_counter())
         while True:
             try:
                 i = todo.get_nowait()
@@ -104,8 +102,8 @@ def run(reqs, conc, olen=None):
                 return
             res[i] = gen(reqs[i], olen)
 
-    _, t0 = run_together(conc, client, a.url, a.timeout)
-    return res, time.perf_counter() - t0, first_sends_span_ms(first_sends)
+    _, t0, first_span = run_together(conc, client, a.url, a.timeout)
+    return res, time.perf_counter() - t0, first_span
 
 
 def pool_lengths(rng, size, olen, spread):
@@ -128,11 +126,9 @@ def run_for(seed, conc, duration, olen=None):
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
     lengths = pool_lengths(rng, len(pool), olen or a.olen, a.olen_spread)
     by_prompt = {}
-    first_sends = []
 
     def client(k, t0):
         done, i = [], k
-        first_sends.append(time.perf_counter())
         while time.perf_counter() - t0 < duration:
             r = gen(pool[i % len(pool)], lengths[i % len(pool)])
             by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
@@ -140,10 +136,10 @@ def run_for(seed, conc, duration, olen=None):
             i += conc
         return done
 
-    parts, t0 = run_together(conc, client, a.url, a.timeout)
+    parts, t0, first_span = run_together(conc, client, a.url, a.timeout)
     res = [r for part in parts for r in part]
     return (res, time.perf_counter() - t0, by_prompt, loaded_rate(parts), server_rate(parts),
-            first_sends_span_ms(first_sends))
+            first_span)
 
 
 def tokens(result):

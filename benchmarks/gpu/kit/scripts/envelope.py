@@ -50,7 +50,7 @@ import crafted
 import server_info
 from gpu_sampler import GpuSampler
 from keepalive import post_json
-from together import first_sends_span_ms, run_together
+from together import run_together
 
 MIX = "mix"
 REGION_NAMES = tuple(name for name, _ in crafted.REGIONS)
@@ -149,21 +149,19 @@ class Sweep:
     def level(self, region: str, conc: int, seed: int) -> dict:
         """One closed loop of ``conc`` clients for >= duration seconds, started together
         (together.py)."""
-        duration, started, first_sends = self.a.duration, time.time(), []
+        duration, started = self.a.duration, time.time()
 
         def client(k: int, t0: float) -> list[dict]:
             rng, done = random.Random(seed * 1000 + k), []
-            ids = prompt(rng, region_of_request(region, k, 0), self.a.plen)
-            first_sends.append(time.perf_counter())
             while time.perf_counter() - t0 < duration:
-                done.append(self.generate(ids, self.length(rng)))
                 ids = prompt(rng, region_of_request(region, k, len(done)), self.a.plen)
+                done.append(self.generate(ids, self.length(rng)))
             return done
 
-        parts, t0 = run_together(conc, client, self.a.url, self.a.timeout)
+        parts, t0, first_span = run_together(conc, client, self.a.url, self.a.timeout)
         res = [r for part in parts for r in part]
         return {**summarize(res, time.perf_counter() - t0, conc),
-                "first_sends_span_ms": first_sends_span_ms(first_sends),
+                "first_sends_span_ms": first_span,
                 "started_unix": round(started, 3), "ended_unix": round(time.time(), 3)}
 
 

@@ -28,25 +28,21 @@ GATHER_TIMEOUT_S = 60.0  # every thread connects well within this; a hung one br
 
 
 def run_together(conc: int, client: Callable[[int, float], T], url: str,
-                 timeout: float) -> tuple[list[T], float]:
+                 timeout: float) -> tuple[list[T], float, float]:
     """``client(k, t0)`` for k in 0..conc-1, each on its own thread with its connection to
     ``url`` already open, all released at t0 (time.perf_counter(), when the last thread was
-    ready). Returns the clients' results in order of k, and t0."""
+    ready). Returns the clients' results in order of k, t0, and how far apart (ms) the
+    threads got going after the release (each client sends its first request then)."""
     started: list[float] = []
     gate = threading.Barrier(conc, action=lambda: started.append(time.perf_counter()))
+    going: list[float] = []
 
     def thread(k: int) -> T:
         connect(url, timeout)
         gate.wait(GATHER_TIMEOUT_S)
+        going.append(time.perf_counter())
         return client(k, started[0])
 
     with ThreadPoolExecutor(conc) as ex:
         results = list(ex.map(thread, range(conc)))
-    return results, started[0]
-
-
-def first_sends_span_ms(first_sends: list[float]) -> float | None:
-    """How far apart (ms) the clients sent their first requests; None if none did."""
-    if not first_sends:
-        return None
-    return round(1000 * (max(first_sends) - min(first_sends)), 2)
+    return results, started[0], round(1000 * (max(going) - min(going)), 2)
