@@ -114,7 +114,10 @@ def test_check_passes_a_faithful_server(successor_url, tmp_path):
     report = run_check(successor_url, tmp_path)
     assert report["total_failed"] == 0
     assert report["total_mismatched"] == 0
-    assert report["total_requests"] == 6 * 3 + 64 + 48
+    assert report["total_requests"] == 6 * 3 + 64 + 48 + 56
+    late = report["phases"]["late48"]
+    assert late["requests"] == 56 and late["tokens"] == 48 * 192 + 8 * 384
+    assert set(late["late_by_region"]) == {"accept0", "accept50", "accept90"}
 
 
 def test_check_catches_a_skipped_token(successor_url, tmp_path):

@@ -10,6 +10,10 @@ Phases:
   burst     64 requests at once (fallback above the threshold), then c1 again (resumed)
   ramp      48 requests with lengths 16..256: the batch shrinks through the threshold while
             they finish, so the server switches back mid-flight
+  late      48 requests of 192 tokens at once (fallback), and 8 more of 384 tokens sent while
+            those decode: the 8 are prefilled during fallback steps (the prefill's draft pass,
+            DYNSPEC_DRAFT_PREFILL_WRITE) and speculate once the 48 are done; their accept
+            lengths beside c1's show whether the draft KV they were prefilled with holds
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import crafted
 
 URL, OUT, NAME = sys.argv[1], sys.argv[2], sys.argv[3]
 PROMPT_LEN = 64
+LATE_AFTER_S = 0.3  # the 48 early requests are decoding by then (prefilled in one batch)
 
 
 def prompt(rng: random.Random, region: int) -> list[int]:
@@ -106,6 +111,20 @@ def c1_phase(rng: random.Random) -> tuple[dict, list[dict]]:
     return {**summary(res, wall), "by_region": per_region(res)}, res
 
 
+def late_phase(rng: random.Random) -> dict:
+    early = [(prompt(rng, i % len(crafted.REGIONS)), 192) for i in range(48)]
+    late = [(prompt(rng, i % len(crafted.REGIONS)), 384) for i in range(8)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(len(early) + len(late)) as ex:
+        early_futures = [ex.submit(generate, item) for item in early]
+        time.sleep(LATE_AFTER_S)
+        late_futures = [ex.submit(generate, item) for item in late]
+        res_early = [f.result() for f in early_futures]
+        res_late = [f.result() for f in late_futures]
+    wall = time.perf_counter() - t
+    return {**summary(res_early + res_late, wall), "late_by_region": per_region(res_late)}
+
+
 def main() -> None:
     rng = random.Random(20261130)
     report: dict = {"name": NAME, "url": URL, "phases": {}}
@@ -119,6 +138,7 @@ def main() -> None:
     res, wall = run(ramp, 48)
     report["phases"]["ramp48"] = summary(res, wall)
     report["phases"]["c1_after_ramp"], _ = c1_phase(rng)
+    report["phases"]["late48"] = late_phase(rng)
     phases = report["phases"].values()
     report["total_requests"] = sum(p["requests"] for p in phases)
     report["total_failed"] = sum(p["failed"] for p in phases)
