@@ -237,3 +237,19 @@ def test_a_level_out_of_step_is_compared_over_the_same_first_tokens(tmp_path):
     assert "| patched: dyn.log | 0 / 2 | – | – | – | – | 1524 |" in out
     assert "| plain: base.log | 0 / 3 | – | – | – | – | 1600 |" in out
     assert out.rstrip().endswith("| – | – (speed) | – | 0.952 |")
+
+
+def test_a_level_out_of_step_is_paired_by_the_batch_it_reached(tmp_path):
+    """Out of step, one request finishes while the others run on: most decode lines of a
+    level can run c - 1 requests. The level is still the level of c on both servers."""
+    def level(second: int, sizes: list[int]) -> list[str]:
+        return [FLUSH.format(second), prefill(second, C, 0), decode(second, C, 400.0),
+                *[decode(second, size, 100.0) for size in sizes], prefill(second + 1, 1, C - 1),
+                decode(second + 1, C, 150.0), decode(second + 1, C, 100.0)]
+
+    patched = log(tmp_path, "dyn.log", level(10, [C, C, C]))
+    plain = log(tmp_path, "base.log", level(10, [C - 1] * 5))
+    assert batch_lines.concurrency_of(batch_lines.read_levels(plain)[0]) == C
+    out = subprocess.run([sys.executable, str(GPU / "batch_lines.py"), patched, plain],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    assert "level 1 (after the log's flush 1)" in out

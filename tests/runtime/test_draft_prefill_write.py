@@ -190,8 +190,45 @@ def test_off_unless_turned_on(shapes, monkeypatch, value):
     assert prefill(world, [3], 6000) is None
     assert adapter_of(world).draft_prefill_write is None
     assert adapter_of(world).draft_prefill_write_note == (
-        "off (DYNSPEC_DRAFT_PREFILL_WRITE=1 turns it on; it has not run on a GPU)"
+        "off (DYNSPEC_DRAFT_PREFILL_WRITE=1 turns it on; on a GPU it has run with SGLang "
+        "0.5.17 only)"
     )
+
+
+@pytest.mark.parametrize(
+    ("release", "value", "taken"),
+    [("0.5.17", None, True), ("0.5.17", "0", False), ("0.5.23", None, False),
+     ("0.5.23", "1", True), ("0.5.12.post1", None, False)],
+)
+def test_on_by_default_where_it_ran_on_a_gpu(shapes, monkeypatch, release, value, taken):
+    """Unset, the prefill write runs on the releases where it ran on a GPU
+    (``DRAFT_PREFILL_WRITE_RELEASES``) and nowhere else; a value set wins everywhere."""
+    from tests.runtime.standins import package_says_release
+
+    if value is None:
+        monkeypatch.delenv(dyn.DRAFT_PREFILL_WRITE_ENV)
+    else:
+        monkeypatch.setenv(dyn.DRAFT_PREFILL_WRITE_ENV, value)
+    world = make_world(shapes, release)
+    package_says_release(monkeypatch, world, release)
+    in_fallback_and_checked(world)
+    prefill(world, [3], 6000)
+    assert (adapter_of(world).draft_prefill_write is not None) == taken
+
+
+def test_on_by_default_without_the_draft_kv_write_says_nothing(shapes, monkeypatch, caplog):
+    """Where the write is on by default and the draft KV write is off, prefills keep SGLang's
+    draft pass quietly: the warning is for a user who asked for the prefill write."""
+    from tests.runtime.standins import package_says_release
+
+    monkeypatch.delenv(dyn.DRAFT_PREFILL_WRITE_ENV)
+    monkeypatch.setenv(dyn.DRAFT_KV_WRITE_ENV, "0")
+    world = make_world(shapes, "0.5.17")
+    package_says_release(monkeypatch, world, "0.5.17")
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        step(world, 3, 10)
+    assert adapter_of(world).draft_prefill_write_note == "SGLang's draft pass (no draft KV write)"
+    assert not [r for r in caplog.records if "DRAFT_PREFILL_WRITE" in r.getMessage()]
 
 
 def test_without_the_draft_kv_write_it_is_not_taken_and_says_so(shapes, monkeypatch, caplog):
@@ -645,3 +682,4 @@ def test_the_stand_ins_prefill_graph_never_calls_a_forward_set_on_the_model(shap
     k, v = stored_draft_kv(world, new_prefill_batch([3], 6000).out_cache_loc)
     want_k, want_v = sglang_pass_kv(shapes, "0.5.17", [3], 6000)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)  # the captured forward stored them
+

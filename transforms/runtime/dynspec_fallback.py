@@ -2369,11 +2369,16 @@ MAX_DRAFT_KV_WRITE_STEPS = 64
 DRAFT_KV_WRITE_STEPS_RELEASES = ("0.5.17",)
 DRAFT_KV_WRITE_STEPS_PROVEN = 8
 # "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
-# tokens only (``DraftPrefillWrite``; v1 and v2, where the draft KV write runs); "0" or unset:
-# SGLang's whole draft pass (it has not run on a GPU yet). On an H200 the draft's prefill pass
-# took about 19 ms of GPU per 64 prompts of 256 tokens at c = 64, two thirds of it attention
-# and MLP (2026-12-04, RESULTS.md).
+# tokens only (``DraftPrefillWrite``; v1 and v2, where the draft KV write runs); "0": SGLang's
+# whole draft pass; unset: on where it has run on a GPU (DRAFT_PREFILL_WRITE_RELEASES). On
+# an H200 the draft's prefill pass took about 19 ms of GPU per 64 prompts of 256 tokens at
+# c = 64, two thirds of it attention and MLP (2026-12-04, RESULTS.md).
 DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
+# Where the prefill write has run on an H200 (0.5.17, v2: its only EAGLE worker; 2026-12-05,
+# RESULTS.md): its check bit-exact on three servers, 0 mismatched greedy tokens on the crafted
+# models with the strict KV check on, and the extra time per wave of a closed loop at c = 64
+# and 128 down from +46 / +66 ms to +6..+25 ms against plain decoding.
+DRAFT_PREFILL_WRITE_RELEASES = ("0.5.17",)
 # ModelRunner's prefill CUDA graph (SGLang 0.5.17+; None: the prefill runs eagerly)
 DRAFT_PREFILL_GRAPH_ATTR = "prefill_cuda_graph_runner"
 
@@ -2791,17 +2796,20 @@ class DraftPrefillWrite:
 def _prepare_draft_prefill_write(adapter: Adapter, worker: Any) -> None:
     """Take the prefill write where it is turned on and the draft KV write is there (one
     warning where it is turned on and cannot be)."""
-    if not lever_on(DRAFT_PREFILL_WRITE_ENV, False):
+    proven = on_gpu_proven_release(adapter, DRAFT_PREFILL_WRITE_RELEASES)
+    if not lever_on(DRAFT_PREFILL_WRITE_ENV, proven):
         adapter.draft_prefill_write_note = (
-            f"off ({DRAFT_PREFILL_WRITE_ENV}=1 turns it on; it has not run on a GPU)"
+            f"off ({DRAFT_PREFILL_WRITE_ENV}=1 turns it on; on a GPU it has run with SGLang "
+            f"{', '.join(DRAFT_PREFILL_WRITE_RELEASES)} only)"
         )
         return
     if adapter.draft_kv_write is None:
         adapter.draft_prefill_write_note = "SGLang's draft pass (no draft KV write)"
-        _rank0_logger(worker, logging.WARNING)(
-            f"[dynspec] {DRAFT_PREFILL_WRITE_ENV}=1 not used: it needs the draft KV write "
-            f"({adapter.draft_kv_write_note}); prefills keep SGLang's draft pass"
-        )
+        if os.environ.get(DRAFT_PREFILL_WRITE_ENV, "").strip() == "1":
+            _rank0_logger(worker, logging.WARNING)(
+                f"[dynspec] {DRAFT_PREFILL_WRITE_ENV}=1 not used: it needs the draft KV write "
+                f"({adapter.draft_kv_write_note}); prefills keep SGLang's draft pass"
+            )
         return
     adapter.draft_prefill_write = DraftPrefillWrite(adapter.draft_kv_write)
     adapter.draft_prefill_write_note = (
