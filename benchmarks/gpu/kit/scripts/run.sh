@@ -19,7 +19,8 @@
 #       *-eager: DYNSPEC_DECODE_GRAPHS=0 (the fallback's target forward runs eagerly, as before);
 #       dyn-v2-writeN: DYNSPEC_DRAFT_KV_WRITE_STEPS=N (N fallback steps' draft KV writes as one);
 #       *-kvprefill: DYNSPEC_DRAFT_PREFILL_WRITE=1 (a prefill in fallback stores the draft KV
-#       only); the two combine: dyn-v2-write8-kvprefill;
+#       only; the default on 0.5.17, where VARIANT_ENV=DYNSPEC_DRAFT_PREFILL_WRITE=0 gives the
+#       server without it); the two combine: dyn-v2-write8-kvprefill;
 #       native-v2 (0.5.14+): pristine tree + the flags `dynspec-patch apply --route native` gives
 #       (SGLang's own --speculative-adaptive with a steps-0 config above T)
 #   check-base | check-eagle-v2 | check-dyn-v2 | check-dyn-v1                  greedy checks on
