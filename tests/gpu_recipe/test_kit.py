@@ -335,6 +335,9 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         # by the server's own 20 ms per request, without HTTP and the client
         assert d["server_tok_per_s"] == pytest.approx(d["concurrency"] * 8 / 0.02)
         assert d["server_tok_per_s"] > d["loaded_tok_per_s"]
+        # each client's first request alone and the rest: the same 20 ms stub either way
+        for split in ("first_requests_tok_per_s", "after_first_tok_per_s"):
+            assert 0 < d[split] <= d["concurrency"] * 8 / 0.02, (split, d)
         assert 0 < d["mean_outside_server_ms"] < 20
         assert set(d["client_gc"]) == {"collections", "total_ms", "longest_ms"}
         assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]  # together.py
@@ -398,6 +401,16 @@ def test_the_loaded_rate_is_each_clients_tokens_over_its_busy_time():
     fast = [({"meta_info": {"completion_tokens": 8}}, 0.1)] * 2
     slow = [({"output_ids": [1] * 8}, 0.35)]
     assert client.loaded_rate([fast, slow, []]) == pytest.approx(16 / 0.2 + 8 / 0.35)
+
+
+def test_the_loaded_rate_splits_into_each_clients_first_request_and_the_rest():
+    import client
+
+    fast = [({"meta_info": {"completion_tokens": 8}}, 0.1), ({"output_ids": [1] * 4}, 0.2)]
+    slow = [({"output_ids": [1] * 8}, 0.35)]
+    first, after = client.loaded_rate_split([fast, slow, []])
+    assert first == pytest.approx(8 / 0.1 + 8 / 0.35)
+    assert after == pytest.approx(4 / 0.2)  # the slow client ran no second request
 
 
 def test_the_server_rate_is_each_clients_tokens_over_the_servers_times():

@@ -15,7 +15,10 @@
 # meta_info e2e_latency, from the request's arrival in the tokenizer manager to its last token),
 # and mean_outside_server_ms, the mean of latency - e2e_latency: HTTP, the response's JSON, this
 # client. On an H200 that time varied from 29 to 137 ms per request between repeats of one level
-# (2026-12-04), on every kind of server, as much as the patch's whole effect. Each client thread
+# (2026-12-04), on every kind of server, as much as the patch's whole effect.
+# first_requests_tok_per_s and after_first_tok_per_s split loaded_tok_per_s into each client's
+# first request (the level's start: its first wave's prefills, a patched server's switch to
+# fallback) and the requests after it. Each client thread
 # keeps one HTTP/1.1 connection open across its requests (keepalive.py), as serving clients do;
 # a level's clients open theirs before its clock starts and are then released together
 # (together.py), and each level records how far apart they sent their first requests
@@ -118,8 +121,8 @@ def run_for(seed, conc, duration, olen=None):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
-    pool by prompt index, loaded tokens/s, the same by the server's times, how far apart in ms
-    the clients sent their first requests). Client k sends prompts k, k + conc, ...: how many
+    pool by prompt index, each client's (result, latency) list, how far apart in ms the
+    clients sent their first requests). Client k sends prompts k, k + conc, ...: how many
     each one finishes depends on the server's timing, so outputs are compared by prompt, never
     by position in the results. The clients start together (together.py)."""
     rng = random.Random(seed)
@@ -138,8 +141,7 @@ def run_for(seed, conc, duration, olen=None):
 
     parts, t0, first_span = run_together(conc, client, a.url, a.timeout)
     res = [r for part in parts for r in part]
-    return (res, time.perf_counter() - t0, by_prompt, loaded_rate(parts), server_rate(parts),
-            first_span)
+    return (res, time.perf_counter() - t0, by_prompt, parts, first_span)
 
 
 def tokens(result):
@@ -151,6 +153,13 @@ def loaded_rate(parts):
     """Sum over the clients of each one's tokens / its busy time (the latencies of its requests,
     back to back): the server's rate at full concurrency, without the drain after the deadline."""
     return sum(sum(map(tokens, part)) / sum(lat for _, lat in part) for part in parts if part)
+
+
+def loaded_rate_split(parts):
+    """``loaded_rate`` over each client's first request alone, and over the requests after
+    it: a level's start (its first wave's prefills; a patched server's switch to fallback and,
+    on its first level, its one-time checks) apart from the closed loop that follows."""
+    return loaded_rate([part[:1] for part in parts]), loaded_rate([part[1:] for part in parts])
 
 
 def server_time(result):
@@ -266,7 +275,7 @@ def main(argv):
         try:
             with GpuSampler() as gpu, GcPauses() as pauses:
                 if a.duration > 0:
-                    res, wall, by_prompt, loaded, served, first_span = run_for(
+                    res, wall, by_prompt, parts, first_span = run_for(
                         1000 + c + 7919 * rep, c, a.duration, olen
                     )
                     firsts = [by_prompt.get(i) for i in range(min(16, c))]
@@ -279,8 +288,12 @@ def main(argv):
             if a.duration > 0:
                 d["duration_s"] = a.duration
                 d["olen_spread"] = a.olen_spread
-                d["loaded_tok_per_s"] = round(loaded, 1)
+                d["loaded_tok_per_s"] = round(loaded_rate(parts), 1)
+                served = server_rate(parts)
                 d["server_tok_per_s"] = None if served is None else round(served, 1)
+                first, after = loaded_rate_split(parts)
+                d["first_requests_tok_per_s"] = round(first, 1)
+                d["after_first_tok_per_s"] = round(after, 1)
             d["first_sends_span_ms"] = first_span
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
