@@ -682,4 +682,3 @@ def test_the_stand_ins_prefill_graph_never_calls_a_forward_set_on_the_model(shap
     k, v = stored_draft_kv(world, new_prefill_batch([3], 6000).out_cache_loc)
     want_k, want_v = sglang_pass_kv(shapes, "0.5.17", [3], 6000)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)  # the captured forward stored them
-

@@ -12,8 +12,10 @@ Phases:
             they finish, so the server switches back mid-flight
   late      48 requests of 192 tokens at once (fallback), and 8 more of 384 tokens sent while
             those decode: the 8 are prefilled during fallback steps (the prefill's draft pass,
-            DYNSPEC_DRAFT_PREFILL_WRITE) and speculate once the 48 are done; their accept
-            lengths beside c1's show whether the draft KV they were prefilled with holds
+            DYNSPEC_DRAFT_PREFILL_WRITE) and speculate once the 48 are done: every token
+            they return is checked as everywhere else. (Their accept lengths average their
+            fallback steps in, and the crafted draft proposes from the token alone, so they
+            cannot show whether the draft KV holds: the server's prefill-write check line does.)
 """
 
 from __future__ import annotations
