@@ -760,7 +760,8 @@ def test_the_steps_per_write_setting(monkeypatch, value, steps, warns):
 
 @pytest.mark.parametrize(
     ("release", "value", "steps"),
-    [("0.5.17", None, 8), ("0.5.17", "1", 1), ("0.5.23", None, 1), ("0.5.23", "4", 4)],
+    [("0.5.17", None, 8), ("0.5.17", "1", 1), ("0.5.23", None, 1), ("0.5.23", "4", 4),
+     ("0.5.12.post1", None, 8), ("0.5.13.post1", None, 1)],
 )
 def test_eight_steps_per_write_by_default_where_that_ran_on_a_gpu(
     shapes, monkeypatch, release, value, steps

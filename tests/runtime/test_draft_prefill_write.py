@@ -191,14 +191,15 @@ def test_off_unless_turned_on(shapes, monkeypatch, value):
     assert adapter_of(world).draft_prefill_write is None
     assert adapter_of(world).draft_prefill_write_note == (
         "off (DYNSPEC_DRAFT_PREFILL_WRITE=1 turns it on; on a GPU it has run with SGLang "
-        "0.5.17 only)"
+        "0.5.12.post1, 0.5.17 only)"
     )
 
 
 @pytest.mark.parametrize(
     ("release", "value", "taken"),
     [("0.5.17", None, True), ("0.5.17", "0", False), ("0.5.23", None, False),
-     ("0.5.23", "1", True), ("0.5.12.post1", None, False)],
+     ("0.5.23", "1", True), ("0.5.12.post1", None, True), ("0.5.12.post1", "0", False),
+     ("0.5.13.post1", None, False)],
 )
 def test_on_by_default_where_it_ran_on_a_gpu(shapes, monkeypatch, release, value, taken):
     """Unset, the prefill write runs on the releases where it ran on a GPU

@@ -217,6 +217,20 @@ def test_on_by_default_where_it_has_run_on_a_gpu(shapes, monkeypatch):
     assert samples(world) == 1
 
 
+@pytest.mark.parametrize(
+    ("release", "argmax"), [("0.5.17", True), ("0.5.12.post1", True), ("0.5.13.post1", False)]
+)
+def test_the_releases_it_ran_on_a_gpu_take_it_unset(shapes, monkeypatch, release, argmax):
+    """Unset, one-argmax sampling runs on the releases where it ran on a GPU (0.5.17 on an
+    H200, 0.5.12.post1 on an H100, RESULTS.md) and nowhere else."""
+    monkeypatch.delenv(dyn.GREEDY_ARGMAX_ENV)
+    monkeypatch.setattr(dyn, "sglang_release", lambda module_globals: release)
+    world = make_world(shapes["0.5.17"])
+    step(world)
+    step(world)
+    assert samples(world) == (1 if argmax else 2)
+
+
 def test_the_overlap_schedulers_copy_has_no_orchestrator_and_its_penalties_in_acc(shapes):
     """SamplingBatchInfo.copy_for_forward (the overlap scheduler's) sets the orchestrator to
     None and accumulates penalties into acc_*; an H200 run crashed reading None.is_required."""

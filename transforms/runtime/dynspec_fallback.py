@@ -2363,10 +2363,12 @@ DRAFT_KV_WRITE_GRAPH_RELEASES = ("0.5.12.post1",)
 # it has run on a GPU (DRAFT_KV_WRITE_STEPS_RELEASES), else 1 (each step writes its own).
 DRAFT_KV_WRITE_STEPS_ENV = "DYNSPEC_DRAFT_KV_WRITE_STEPS"
 MAX_DRAFT_KV_WRITE_STEPS = 64
-# Where N = 8 has run on an H200 (0.5.17, 2026-12-05, RESULTS.md): 0 mismatched greedy tokens
-# on the crafted models with the strict KV check on, the steady decode lines at c = 64 and 128
-# 0.985 of plain decoding's speed where the per-step write gave 0.971-0.979.
-DRAFT_KV_WRITE_STEPS_RELEASES = ("0.5.17",)
+# Where N = 8 has run on a GPU: 0.5.17 (H200, 2026-12-05, RESULTS.md: 0 mismatched greedy
+# tokens on the crafted models with the strict KV check on, the steady decode lines at c = 64
+# and 128 0.985 of plain decoding's speed where the per-step write gave 0.971-0.979) and
+# 0.5.12.post1 (H100, 2026-12-05, third hold: the same check, 0 mismatched; steady lines 0.987
+# of plain decoding at c = 64 and 128).
+DRAFT_KV_WRITE_STEPS_RELEASES = ("0.5.12.post1", "0.5.17")
 DRAFT_KV_WRITE_STEPS_PROVEN = 8
 # "1" lets a prefill that comes while fallback steps run store the draft's K and V of its
 # tokens only (``DraftPrefillWrite``; v1 and v2, where the draft KV write runs); "0": SGLang's
@@ -2374,11 +2376,13 @@ DRAFT_KV_WRITE_STEPS_PROVEN = 8
 # an H200 the draft's prefill pass took about 19 ms of GPU per 64 prompts of 256 tokens at
 # c = 64, two thirds of it attention and MLP (2026-12-04, RESULTS.md).
 DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
-# Where the prefill write has run on an H200 (0.5.17, v2: its only EAGLE worker; 2026-12-05,
-# RESULTS.md): its check bit-exact on three servers, 0 mismatched greedy tokens on the crafted
-# models with the strict KV check on, and the extra time per wave of a closed loop at c = 64
-# and 128 down from +46 / +66 ms to +6..+25 ms against plain decoding.
-DRAFT_PREFILL_WRITE_RELEASES = ("0.5.17",)
+# Where the prefill write has run on a GPU: 0.5.17 (H200, v2: its only EAGLE worker;
+# 2026-12-05, RESULTS.md: its check bit-exact on three servers, 0 mismatched greedy tokens on
+# the crafted models with the strict KV check on, and the extra time per wave of a closed loop
+# at c = 64 and 128 down from +46 / +66 ms to +6..+25 ms against plain decoding) and
+# 0.5.12.post1 (H100, 2026-12-05, third hold, v2 and v1: the check bit-exact on four servers,
+# 0 mismatched greedy tokens on the crafted models, strict KV check on, on each worker).
+DRAFT_PREFILL_WRITE_RELEASES = ("0.5.12.post1", "0.5.17")
 # ModelRunner's prefill CUDA graph (SGLang 0.5.17+; None: the prefill runs eagerly)
 DRAFT_PREFILL_GRAPH_ATTR = "prefill_cuda_graph_runner"
 
@@ -3810,10 +3814,12 @@ def _v1_one_token_verify(adapter: Adapter, batch: Any, tokens: Any) -> Any:
 # "0" / "1": greedy v2 fallback steps sample through SGLang's sampler / by one argmax;
 # unset: the argmax where it has run on a GPU (``lever_on``).
 GREEDY_ARGMAX_ENV = "DYNSPEC_GREEDY_ARGMAX"
-# Where it has run on an H200 (0.5.17, 2026-12-04: greedy outputs identical to plain decoding,
-# 4 prompts at c = 1 and 16 x 256 tokens at c = 64 and at c = 128, on four servers; the
-# sampling phase of a bs-64 fallback step 0.050 / 0.089 ms GPU / host against 0.058 / 0.37).
-GREEDY_ARGMAX_RELEASES: tuple[str, ...] = ("0.5.17",)
+# Where it has run on a GPU: 0.5.17 (H200, 2026-12-04: greedy outputs identical to plain
+# decoding, 4 prompts at c = 1 and 16 x 256 tokens at c = 64 and at c = 128, on four servers;
+# the sampling phase of a bs-64 fallback step 0.050 / 0.089 ms GPU / host against 0.058 / 0.37)
+# and 0.5.12.post1 (H100, 2026-12-05: the same comparison on two servers, and 0 mismatched
+# tokens in the crafted greedy check).
+GREEDY_ARGMAX_RELEASES: tuple[str, ...] = ("0.5.12.post1", "0.5.17")
 # SGLang's sampler does more than the argmax while one of these is set (a truthy value).
 GREEDY_ARGMAX_REFUSING_ENVS = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SANITIZE_NAN_LOGITS")
 
