@@ -2380,7 +2380,7 @@ DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
 # 2026-12-05, RESULTS.md: its check bit-exact on three servers, 0 mismatched greedy tokens on
 # the crafted models with the strict KV check on, and the extra time per wave of a closed loop
 # at c = 64 and 128 down from +46 / +66 ms to +6..+25 ms against plain decoding) and
-# 0.5.12.post1 (H100, 2026-12-05, third hold, v2 and v1: the check bit-exact on four servers,
+# 0.5.12.post1 (H100, 2026-12-05, third hold, v2 and v1: the check bit-exact on six servers,
 # 0 mismatched greedy tokens on the crafted models, strict KV check on, on each worker).
 DRAFT_PREFILL_WRITE_RELEASES = ("0.5.12.post1", "0.5.17")
 # ModelRunner's prefill CUDA graph (SGLang 0.5.17+; None: the prefill runs eagerly)
@@ -3817,7 +3817,7 @@ GREEDY_ARGMAX_ENV = "DYNSPEC_GREEDY_ARGMAX"
 # Where it has run on a GPU: 0.5.17 (H200, 2026-12-04: greedy outputs identical to plain
 # decoding, 4 prompts at c = 1 and 16 x 256 tokens at c = 64 and at c = 128, on four servers;
 # the sampling phase of a bs-64 fallback step 0.050 / 0.089 ms GPU / host against 0.058 / 0.37)
-# and 0.5.12.post1 (H100, 2026-12-05: the same comparison on two servers, and 0 mismatched
+# and 0.5.12.post1 (H100, 2026-12-05: the same comparison on three servers, and 0 mismatched
 # tokens in the crafted greedy check).
 GREEDY_ARGMAX_RELEASES: tuple[str, ...] = ("0.5.12.post1", "0.5.17")
 # SGLang's sampler does more than the argmax while one of these is set (a truthy value).
