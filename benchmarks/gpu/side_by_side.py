@@ -7,14 +7,17 @@ usage: python benchmarks/gpu/side_by_side.py RESULTS_JSON [--patched dyn-v2] [--
                 in alternating order (dyn-v2, base, ..., dyn-v2@2, base@2) pool into one mean
 
 Prints, per concurrency: each kind's output tok/s by the wall, loaded (client.py's
-``loaded_tok_per_s``: each client's tokens over its own busy time, without the drain after the
-deadline) and by the server's own times (``server_tok_per_s``: the same over SGLang's
-e2e_latency, without HTTP and the client; "–" for results that lack it), each a mean over every
-repeat of every server of that kind; then the patched kind divided by plain decoding and by
-each ``--against`` kind, on every figure; then the same ratio
-server by server (the first patched server over the first plain one, the second over the
-second); then each server's SM clock per level, mean and lowest (client.py's ``"gpu"``), since
-a server that ran at lower clocks is not comparable. Standard library only.
+``loaded_tok_per_s``: each client's tokens over its own busy time, without the clients' idle
+time in the drain after the deadline), full load (``full_load_tok_per_s``: the same over the
+requests that ended before the first client stopped, leaving out a partial wave the deadline
+let some clients start: the figure to compare closed-loop levels by) and by the server's own
+times (``server_tok_per_s``: the same over SGLang's e2e_latency, without HTTP and the client;
+"–" for results that lack it), each a mean over every repeat of every server of that kind;
+then the patched kind divided by plain decoding and by each ``--against`` kind, on every
+figure; then the same ratio server by server (the first patched server over the first plain
+one, the second over the second); then each server's SM clock per level, mean and lowest
+(client.py's ``"gpu"``), since a server that ran at lower clocks is not comparable.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from envelope_report import pooled, server_kind
 FIGURES = (
     ("wall", "output_tok_per_s"),
     ("loaded", "loaded_tok_per_s"),
+    ("full load", "full_load_tok_per_s"),
     ("server", "server_tok_per_s"),
 )
 
@@ -81,17 +85,21 @@ def ratio_table(results: dict, patched: str, others: list[str]) -> str:
 
 def pairs_table(raw: dict, patched: str, plain: str) -> str:
     """The patched servers over the plain ones in run order: first over first, second over
-    second (the ABAB pairs), by the loaded figure."""
+    second (the ABAB pairs), by the full-load figure where both recorded it, else the loaded."""
     mine = [n for n in raw if server_kind(n) == patched]
     theirs = [n for n in raw if server_kind(n) == plain]
     rows = []
     for a, b in zip(mine, theirs, strict=False):
-        ours, base = by_level(raw[a], "loaded_tok_per_s"), by_level(raw[b], "loaded_tok_per_s")
-        cells = ", ".join(f"c = {c}: {ratio(ours, base, c)}" for c in sorted(ours) if c in base)
+        full = by_level(raw[a], "full_load_tok_per_s"), by_level(raw[b], "full_load_tok_per_s")
+        loaded = by_level(raw[a], "loaded_tok_per_s"), by_level(raw[b], "loaded_tok_per_s")
+        cells = ", ".join(
+            f"c = {c}: " + (f"{ratio(*full, c)} (full load)" if c in full[0] and c in full[1]
+                            else f"{ratio(*loaded, c)} (loaded)")
+            for c in sorted(loaded[0]) if c in loaded[1])
         rows.append(f"| {a} ÷ {b} | {cells} |")
     if not rows:
         return ""
-    return "\n".join(["| pair | loaded ratio by concurrency |", "|---|---|", *rows])
+    return "\n".join(["| pair | ratio by concurrency |", "|---|---|", *rows])
 
 
 def clocks_table(raw: dict) -> str:

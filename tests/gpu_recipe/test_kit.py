@@ -338,6 +338,9 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         # each client's first request alone and the rest: the same 20 ms stub either way
         for split in ("first_requests_tok_per_s", "after_first_tok_per_s"):
             assert 0 < d[split] <= d["concurrency"] * 8 / 0.02, (split, d)
+        # every client's requests but those in flight when the first client stopped
+        assert d["concurrency"] * 10 <= d["full_load_requests"] <= d["requests"], d
+        assert 0 < d["full_load_tok_per_s"] <= d["concurrency"] * 8 / 0.02
         assert 0 < d["mean_outside_server_ms"] < 20
         assert set(d["client_gc"]) == {"collections", "total_ms", "longest_ms"}
         assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]  # together.py
@@ -411,6 +414,26 @@ def test_the_loaded_rate_splits_into_each_clients_first_request_and_the_rest():
     first, after = client.loaded_rate_split([fast, slow, []])
     assert first == pytest.approx(8 / 0.1 + 8 / 0.35)
     assert after == pytest.approx(4 / 0.2)  # the slow client ran no second request
+
+
+def test_the_full_load_rate_leaves_out_a_partial_wave_after_the_first_client_stopped():
+    """Three clients in step, waves of 1 s: the deadline fell inside the second wave's returns,
+    so two clients ran a third request (at concurrency 2, in 0.8 s) and one stopped. The loaded
+    rate counts the faster third wave; the full-load rate stops where the first client did."""
+    import client
+
+    def wave(end, lat=1.0):
+        return ({"output_ids": [1] * 10}, lat, end)
+
+    stopped = [wave(1.0), wave(2.0)]
+    went_on = [wave(1.0), wave(2.004), wave(2.804, 0.8)]  # answers of one wave: ms apart
+    parts = [stopped, went_on, list(went_on), []]
+    assert client.loaded_rate(parts) == pytest.approx(10 + 2 * 30 / 2.8)
+    assert client.full_load_rate(parts) == (pytest.approx(30.0), 6)
+    # answers up to 5 % of the median latency (1 s) after the first client's last one count
+    assert client.full_load_rate([stopped, [wave(1.0), wave(2.04)]])[1] == 4
+    assert client.full_load_rate([stopped, [wave(1.0), wave(2.06)]])[1] == 3
+    assert client.full_load_rate([[], []]) == (0.0, 0)
 
 
 def test_the_server_rate_is_each_clients_tokens_over_the_servers_times():

@@ -12,10 +12,10 @@ GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 
 
 def level(c: int, wall: float, loaded: float, sm: float | None = None,
-          server: float | None = None) -> dict:
+          server: float | None = None, full: float | None = None) -> dict:
     gpu = {"sm_mhz_mean": sm, "sm_mhz_min": sm - 100} if sm else None
     return {"concurrency": c, "output_tok_per_s": wall, "loaded_tok_per_s": loaded, "gpu": gpu,
-            "server_tok_per_s": server}
+            "server_tok_per_s": server, "full_load_tok_per_s": full}
 
 
 def run(tmp_path: Path, results: dict, *args: str) -> str:
@@ -34,11 +34,12 @@ def test_further_servers_pool_and_every_ratio_is_on_both_figures(tmp_path):
         "eagle-v2": {"levels": [level(64, 20, 40)]},  # an older result: no server figure
     }
     out = run(tmp_path, results, "--against", "eagle-v2")
-    assert "| 64 | 80.0 | 86.7 | 96.0 | 100.0 | 100.0 | 120.0 | 20.0 | 40.0 | – |" in out
-    assert "| 64 | 0.800 | 0.867 | 0.800 | 4.000 | 2.167 | – |" in out
+    row = "| 64 | 80.0 | 86.7 | – | 96.0 | 100.0 | 100.0 | – | 120.0 | 20.0 | 40.0 | – | – |"
+    assert row in out
+    assert "| 64 | 0.800 | 0.867 | – | 0.800 | 4.000 | 2.167 | – | – |" in out
     # pairs in run order, by the loaded figure: (95 + 85) / 2 / 100 and 80 / 100
-    assert "| dyn-v2 ÷ base | c = 64: 0.900 |" in out
-    assert "| dyn-v2@2 ÷ base@2 | c = 64: 0.800 |" in out
+    assert "| dyn-v2 ÷ base | c = 64: 0.900 (loaded) |" in out
+    assert "| dyn-v2@2 ÷ base@2 | c = 64: 0.800 (loaded) |" in out
     assert "| dyn-v2 | c64: 1950 (≥ 1850) |" in out
     assert "dyn-v2@2 |" not in out.split("SM MHz")[1]  # it recorded no clocks
 
@@ -47,4 +48,17 @@ def test_a_kind_that_did_not_run_is_left_out(tmp_path):
     results = {"dyn-v2": {"levels": [level(1, 10, 10)]}, "base": {"levels": [level(1, 20, 20)]}}
     out = run(tmp_path, results, "--against", "native-v2")
     assert "native-v2" not in out
-    assert "| 1 | 0.500 | 0.500 | – |" in out
+    assert "| 1 | 0.500 | 0.500 | – | – |" in out
+
+
+def test_pairs_go_by_the_full_load_figure_where_both_servers_recorded_it(tmp_path):
+    """A plain level whose partial last wave lifted its loaded figure (105) but not its full-load
+    one (96): the pair reads the full-load ratio, per concurrency."""
+    results = {
+        "dyn-v2": {"levels": [level(64, 95, 96, full=95), level(128, 90, 90)]},
+        "base": {"levels": [level(64, 98, 105, full=96), level(128, 100, 100, full=100)]},
+    }
+    out = run(tmp_path, results)
+    assert "| 64 | 95.0 | 96.0 | 95.0 | – | 98.0 | 105.0 | 96.0 | – |" in out
+    assert "| 64 | 0.969 | 0.914 | 0.990 | – |" in out
+    assert "| dyn-v2 ÷ base | c = 64: 0.990 (full load), c = 128: 0.900 (loaded) |" in out

@@ -16,6 +16,14 @@
 # and mean_outside_server_ms, the mean of latency - e2e_latency: HTTP, the response's JSON, this
 # client. On an H200 that time varied from 29 to 137 ms per request between repeats of one level
 # (2026-12-04), on every kind of server, as much as the patch's whole effect.
+# full_load_tok_per_s: loaded_tok_per_s over the requests that ended while every client still had
+# work (full_load_requests of them): a request that ran after the first client's last one
+# returned ran at lower concurrency, so faster. The loaded figure counts it: where the deadline
+# falls inside a wave's returns, some clients start one more request and others stop, and that
+# partial wave (e.g. 39 of 64 requests) reads 5-7 % faster than the level (a plain c = 64 level
+# of 359 requests: loaded 8 400 tok/s, wall 7 964; a patched one of 320, whole waves: 7 958 and
+# 7 937; H200, 2026-12-05). Which server gets a partial wave depends on where its waves end
+# against the deadline, not on its speed.
 # first_requests_tok_per_s and after_first_tok_per_s split loaded_tok_per_s into each client's
 # first request (the level's start: its first wave's prefills, a patched server's switch to
 # fallback) and the requests after it. Each client thread
@@ -121,10 +129,11 @@ def run_for(seed, conc, duration, olen=None):
     """A closed loop of ``conc`` clients issuing requests until ``duration`` seconds passed.
 
     Returns (results, wall seconds, output_ids of the first answer to each prompt of the
-    pool by prompt index, each client's (result, latency) list, how far apart in ms the
-    clients sent their first requests). Client k sends prompts k, k + conc, ...: how many
-    each one finishes depends on the server's timing, so outputs are compared by prompt, never
-    by position in the results. The clients start together (together.py)."""
+    pool by prompt index, each client's (result, latency, end) list, ``end`` in seconds since
+    the clients were released, how far apart in ms the clients sent their first requests).
+    Client k sends prompts k, k + conc, ...: how many each one finishes depends on the
+    server's timing, so outputs are compared by prompt, never by position in the results.
+    The clients start together (together.py)."""
     rng = random.Random(seed)
     pool = [[rng.randrange(1000, a.vocab) for _ in range(a.plen)] for _ in range(4 * conc)]
     lengths = pool_lengths(rng, len(pool), olen or a.olen, a.olen_spread)
@@ -135,7 +144,7 @@ def run_for(seed, conc, duration, olen=None):
         while time.perf_counter() - t0 < duration:
             r = gen(pool[i % len(pool)], lengths[i % len(pool)])
             by_prompt.setdefault(i % len(pool), r[0].get("output_ids"))
-            done.append(r)
+            done.append((*r, time.perf_counter() - t0))
             i += conc
         return done
 
@@ -152,7 +161,25 @@ def tokens(result):
 def loaded_rate(parts):
     """Sum over the clients of each one's tokens / its busy time (the latencies of its requests,
     back to back): the server's rate at full concurrency, without the drain after the deadline."""
-    return sum(sum(map(tokens, part)) / sum(lat for _, lat in part) for part in parts if part)
+    return sum(sum(map(tokens, part)) / sum(r[1] for r in part) for part in parts if part)
+
+
+# A request that ends this fraction of the median latency after the drain began still counts
+# as run at full load: a wave in step ends at one decode step, its answers a few ms apart.
+FULL_LOAD_SLACK = 0.05
+
+
+def full_load_rate(parts):
+    """(``loaded_rate`` over the requests that ended by the drain's start, how many): the drain
+    starts when the first client's last request returns (from then on fewer than c run); each
+    part's entries are (result, latency, end), ``end`` on one clock for every client."""
+    live = [part for part in parts if part]
+    if not live:
+        return 0.0, 0
+    latency = statistics.median(r[1] for part in live for r in part)
+    cut = min(part[-1][2] for part in live) + FULL_LOAD_SLACK * latency
+    kept = [[r for r in part if r[2] <= cut] for part in live]
+    return loaded_rate(kept), sum(map(len, kept))
 
 
 def loaded_rate_split(parts):
@@ -178,9 +205,9 @@ def server_rate(parts):
 
 
 def summarize(res, wall, conc):
-    mi = [r.get("meta_info", {}) for r, _ in res]
+    mi = [r[0].get("meta_info", {}) for r in res]
     toks = [tokens(r) for r in res]
-    lat = [latency for _, latency in res]
+    lat = [r[1] for r in res]
     tpot = [lt / max(1, t) * 1000 for lt, t in zip(lat, toks, strict=False)]
     d = dict(
         concurrency=conc,
@@ -291,6 +318,9 @@ def main(argv):
                 d["loaded_tok_per_s"] = round(loaded_rate(parts), 1)
                 served = server_rate(parts)
                 d["server_tok_per_s"] = None if served is None else round(served, 1)
+                full, counted = full_load_rate(parts)
+                d["full_load_tok_per_s"] = round(full, 1)
+                d["full_load_requests"] = counted
                 first, after = loaded_rate_split(parts)
                 d["first_requests_tok_per_s"] = round(first, 1)
                 d["after_first_tok_per_s"] = round(after, 1)
