@@ -163,6 +163,8 @@ def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_
     logs, results = home / "work" / "logs", home / "work" / "results"
     fixed = (logs / "env-fixed-T16@2.server.log").read_text()
     assert "stub server:" in fixed
+    assert re.search(r"^\[env-fixed-T16@2\] host load: \d", fixed, re.M)  # /proc/loadavg
+    assert re.search(r"^\[env-fixed-T16@2\] host: +PID +%CPU", fixed, re.M)  # ps, busiest first
     assert re.search(r"--speculative-disable-batch-threshold 16\s", fixed)
     auto = (logs / "env-auto@3.server.log").read_text()
     assert "--speculative-disable-batch-threshold auto" in auto

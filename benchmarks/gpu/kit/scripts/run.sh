@@ -181,6 +181,11 @@ session)
     esac
     LOG=$LOGS/$V.server.log; t0=$(date +%s)
     echo "[$V] $(date -u +%T) flags: ${spec[*]} env: ${envs[*]:-}" | tee "$LOG"
+    # the host as the server meets it: v1 is host-bound, and its first server on a machine ran
+    # slower at every step than a second one twice (RESULTS.md, 2026-12-05 third hold)
+    { echo "[$V] host load: $(cat /proc/loadavg 2>/dev/null)"
+      ps -eo pid,pcpu,rss,etimes,comm --sort=-pcpu 2>/dev/null | head -6 | sed "s/^/[$V] host: /"
+    } >> "$LOG"
     env "${envs[@]}" PYTHONPATH="$path" setsid "$PY" -m sglang.launch_server --model-path "$model" "${flags[@]}" \
       "${spec[@]}" >> "$LOG" 2>&1 < /dev/null &
     SRV=$!; ok=0
