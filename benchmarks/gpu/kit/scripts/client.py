@@ -160,7 +160,8 @@ def tokens(result):
 
 def loaded_rate(parts):
     """Sum over the clients of each one's tokens / its busy time (the latencies of its requests,
-    back to back): the server's rate at full concurrency, without the drain after the deadline."""
+    back to back): without the clients' idle time in the drain after the deadline, but with a
+    partial last wave's faster requests (``full_load_rate`` leaves those out)."""
     return sum(sum(map(tokens, part)) / sum(r[1] for r in part) for part in parts if part)
 
 
