@@ -16,7 +16,12 @@ times (``server_tok_per_s``: the same over SGLang's e2e_latency, without HTTP an
 then the patched kind divided by plain decoding and by each ``--against`` kind, on every
 figure; then the same ratio server by server (the first patched server over the first plain
 one, the second over the second); then each server's SM clock per level, mean and lowest
-(client.py's ``"gpu"``), since a server that ran at lower clocks is not comparable.
+(client.py's ``"gpu"``), since a server that ran at lower clocks is not comparable; then, per
+server and level, the host as its scheduler met it (client.py's ``"host"``, host_sampler.py: the
+scheduler's main thread's CPU share, its run-queue wait, involuntary switches, the CPUs it ran
+on, how busy their SMT siblings were, how often another sampled process shared its core; the
+client's CPU share and CPUs; the host's busy share and load), since a host-bound step (v1)
+slows with its core, not with the GPU.
 Standard library only.
 """
 
@@ -118,6 +123,38 @@ def clocks_table(raw: dict) -> str:
     return "\n".join(["| server | SM MHz per level, mean (lowest) |", "|---|---|", *rows])
 
 
+def host_table(raw: dict) -> str:
+    def cell(value: object) -> str:
+        if value is None:
+            return "–"
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return f"{value:.0f}" if isinstance(value, float) and value >= 10 else str(value)
+
+    rows = []
+    for name, result in raw.items():
+        for level in result.get("levels", []):
+            host = level.get("host")
+            if not host:
+                continue
+            sched = host["processes"].get("scheduler") or {}
+            client = host["processes"].get("client") or {}
+            cells = [sched.get(k) for k in ("cpu_pct", "runqueue_wait_pct",
+                                            "involuntary_switches_per_s", "cpus",
+                                            "smt_sibling_busy_pct", "core_shared_pct")]
+            cells += [client.get("cpu_pct"), client.get("cpus"),
+                      host["host"]["busy_pct"], host["host"]["load_1min"]]
+            rows.append(f"| {name} | {level['concurrency']} | "
+                        + " | ".join(cell(v) for v in cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join([
+        "| server | c | scheduler CPU % | run-queue wait % | involuntary switches/s | its CPUs"
+        " | SMT siblings busy % | core shared % | client CPU % | client's CPUs | host busy %"
+        " | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows])
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     ap.add_argument("results")
@@ -130,7 +167,7 @@ def main(argv: list[str]) -> None:
     kinds = [a.patched, a.plain, *a.against]
     for part in (speed_table(results, kinds),
                  ratio_table(results, a.patched, [a.plain, *a.against]),
-                 pairs_table(raw, a.patched, a.plain), clocks_table(raw)):
+                 pairs_table(raw, a.patched, a.plain), clocks_table(raw), host_table(raw)):
         if part:
             print(part, end="\n\n")
 

@@ -102,6 +102,7 @@ def test_every_envelope_level_records_its_gpu(fake_smi, tmp_path):
     levels = json.loads(out.read_text())["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2]
     assert all(lv["gpu"]["throttle_reasons"] == ["sw_power_cap"] for lv in levels)
+    assert all("client" in lv["host"]["processes"] for lv in levels)  # host_sampler.py
     bare = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     subprocess.run(cmd, check=True, capture_output=True, env=bare, timeout=120)
     assert all(lv["gpu"] is None for lv in json.loads(out.read_text())["levels"])

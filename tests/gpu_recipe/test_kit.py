@@ -348,6 +348,9 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         assert 0 <= d["first_sends_span_ms"] < 1000 * d["wall_s"]  # together.py
         assert d["cache_flushed"] is True
         assert "gpu" in d  # None where no nvidia-smi answers
+        # the host as the level met it: no SGLang process here, the client itself sampled
+        client = d["host"]["processes"]["client"]
+        assert client["pid"] not in (os.getpid(), None) and client["cpu_pct"] >= 0
     # the radix cache was emptied once before each level, before its first request
     assert len(SweepStub.flushes) == len(levels)
 

@@ -62,3 +62,22 @@ def test_pairs_go_by_the_full_load_figure_where_both_servers_recorded_it(tmp_pat
     assert "| 64 | 95.0 | 96.0 | 95.0 | – | 98.0 | 105.0 | 96.0 | – |" in out
     assert "| 64 | 0.969 | 0.914 | 0.990 | – |" in out
     assert "| dyn-v2 ÷ base | c = 64: 0.990 (full load), c = 128: 0.900 (loaded) |" in out
+
+
+def test_the_host_table_shows_where_each_servers_scheduler_ran(tmp_path):
+    """client.py's "host" per level: the scheduler's CPU, its wait, its cores, the client's."""
+    sched = {"pid": 7, "cpu_pct": 99.1, "runqueue_wait_pct": 3.25,
+             "involuntary_switches_per_s": 41.0, "cpus": [3], "numa_nodes": [0],
+             "smt_sibling_busy_pct": 87.5, "core_shared_pct": 60.0}
+    client = {"pid": 9, "cpu_pct": 55.0, "cpus": [11, 3], "runqueue_wait_pct": 0.0,
+              "involuntary_switches_per_s": 2.0, "numa_nodes": [0],
+              "smt_sibling_busy_pct": None, "core_shared_pct": 60.0}
+    host = {"host": {"busy_pct": 21.5, "load_1min": 3.2, "cpus": 16, "cores": 8,
+                     "numa_nodes": 1, "gpu_numa_nodes": [0], "cpu_mhz": None},
+            "processes": {"scheduler": sched, "client": client}}
+    first = level(64, 90, 95)
+    first["host"] = host
+    results = {"dyn-v1": {"levels": [first]}, "base-v1": {"levels": [level(64, 100, 100)]}}
+    out = run(tmp_path, results, "--patched", "dyn-v1", "--plain", "base-v1")
+    assert "| dyn-v1 | 64 | 99 | 3.25 | 41 | 3 | 88 | 60 | 55 | 11,3 | 22 | 3.2 |" in out
+    assert "| base-v1 | 64 |" not in out  # it recorded no host

@@ -35,7 +35,9 @@
 # Before each level the server's radix cache is emptied (--keep-cache: not), as envelope.py does:
 # a server whose KV pool is smaller (a speculative one's: the draft's KV shares it) otherwise
 # starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
-# the GPU's clocks (gpu_sampler.py; None without nvidia-smi).
+# the GPU's clocks (gpu_sampler.py; None without nvidia-smi) and where the server's processes and
+# this client ran on the host's CPUs and what they waited for (host_sampler.py: v1's step is host
+# time, and its first server on a machine ran slower at every step at the same GPU clocks).
 # --olens A,B: every level at each of these output lengths (each entry keeps its "olen"). Without
 # --duration a level is one wave of c requests sent together, and the wave's wall at two lengths
 # splits it into a fixed part (the prefill of c prompts and the steps around it) and a per-token
@@ -57,6 +59,7 @@ import urllib.error
 import server_info  # beside this script
 from gc_pauses import GcPauses
 from gpu_sampler import GpuSampler
+from host_sampler import HostSampler
 from keepalive import post_json
 from together import run_together
 
@@ -301,7 +304,7 @@ def main(argv):
             if why:
                 out["errors"].append(f"c={c}: cache not flushed: {why}")
         try:
-            with GpuSampler() as gpu, GcPauses() as pauses:
+            with GpuSampler() as gpu, GcPauses() as pauses, HostSampler() as host:
                 if a.duration > 0:
                     res, wall, by_prompt, parts, first_span = run_for(
                         1000 + c + 7919 * rep, c, a.duration, olen
@@ -328,6 +331,7 @@ def main(argv):
             d["first_sends_span_ms"] = first_span
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
+            d["host"] = host.summary()
             d["client_gc"] = pauses.summary()
             if rep == 0 and olen == olens[0] and c == max(levels):
                 # greedy outputs of the fixed prompts under load

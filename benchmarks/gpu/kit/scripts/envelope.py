@@ -26,7 +26,9 @@ region) never did.
 Each level also records the GPU's clocks, temperature, power and throttle reasons while it ran
 (``"gpu"``, gpu_sampler.py; None without nvidia-smi): on 2026-12-03 servers running the same
 kind of step differed by 10-20 % at c >= 64, and a level that records no clocks cannot tell a
-slower GPU from a slower server.
+slower GPU from a slower server; and the host's CPUs as the server's processes met them
+(``"host"``, host_sampler.py: the scheduler's CPU share, run-queue wait, the cores it ran on and
+how busy their SMT siblings were), the step's other half.
 ``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
 "burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
 models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crafted
 import server_info
 from gpu_sampler import GpuSampler
+from host_sampler import HostSampler
 from keepalive import post_json
 from together import run_together
 
@@ -231,10 +234,10 @@ def main(argv: list[str]) -> None:
             flushed = not why
             if why:
                 out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
-        with GpuSampler() as gpu:
+        with GpuSampler() as gpu, HostSampler() as host:
             d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
         d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed,
-              "gpu": gpu.summary()}
+              "gpu": gpu.summary(), "host": host.summary()}
         if d["failed"]:
             out["errors"].append(f"{phase} {region} c={conc}: {d['first_error']}")
         out["levels"].append(d)
