@@ -52,3 +52,13 @@ def _opt_in_levers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dynspec_fallback.DRAFT_EXTEND_WIDTH1_ENV, "1")
     monkeypatch.setenv(dynspec_fallback.WARMUP_ENV, "1")
     monkeypatch.setenv(dynspec_fallback.GREEDY_ARGMAX_ENV, "1")
+
+
+@pytest.fixture
+def resume_after_one_small_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation resumes at the first small decode batch (with ``min_dwell_steps`` 1), so a
+    stand-in test reaches the resume path in a step; test_controller.py tests the default (32
+    small batches in a row)."""
+    from dynspec_patch.transforms.runtime import dynspec_fallback
+
+    monkeypatch.setattr(dynspec_fallback, "RESUME_SMALL_STEPS", 1)

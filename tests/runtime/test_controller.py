@@ -33,7 +33,7 @@ def test_default_resume_below() -> None:
 
 
 def test_hysteresis_band_holds_fallback_until_resume_below() -> None:
-    controller = DynSpecController(threshold=16, min_dwell_steps=1)
+    controller = DynSpecController(threshold=16, min_dwell_steps=1, resume_steps=1)
     controller.decide(40)
     # Anything above resume_below (14) keeps the fallback, even at or below T.
     assert all(controller.decide(bs) for bs in (16, 15, 15, 16))
@@ -62,7 +62,7 @@ def test_dwell_bounds_switch_rate() -> None:
 
 
 def test_minimum_dwell_is_respected_after_a_switch() -> None:
-    controller = DynSpecController(threshold=4, min_dwell_steps=8)
+    controller = DynSpecController(threshold=4, min_dwell_steps=8, resume_steps=1)
     controller.decide(100)
     decisions = [controller.decide(1) for _ in range(8)]
     assert decisions == [True] * 7 + [False]
@@ -78,7 +78,7 @@ def test_counters_add_up() -> None:
 
 def test_one_log_line_per_switch() -> None:
     lines: list[str] = []
-    controller = DynSpecController(threshold=4, min_dwell_steps=1, log=lines.append)
+    controller = DynSpecController(threshold=4, min_dwell_steps=1, log=lines.append, resume_steps=1)
     for bs in (1, 9, 9, 2, 2, 9):
         controller.decide(bs)
     assert len(lines) == controller.n_switches == 3
@@ -104,7 +104,7 @@ def test_effective_batch_size() -> None:
 
 
 def test_threshold_one_still_resumes_when_load_drops() -> None:
-    controller = DynSpecController(1, min_dwell_steps=2)
+    controller = DynSpecController(1, min_dwell_steps=2, resume_steps=2)
     assert [controller.decide(bs) for bs in (1, 4, 4, 4, 1, 1, 1)] == [
         False,
         True,
@@ -125,8 +125,29 @@ def test_a_short_dip_under_load_does_not_resume_speculation() -> None:
     assert controller.n_switches == 1
 
 
+def test_a_wave_whose_first_requests_decode_alone_for_a_while_stays_in_fallback() -> None:
+    """2026-12-05, an H100, SGLang 0.5.12.post1, c = 128 waves: the first 5 requests of a wave
+    decoded alone for 8 steps before the other 123 arrived. With the dwell's 8 small steps
+    speculation resumed there (that level: 0.943 of plain decoding); by default it waits 32."""
+    controller = DynSpecController(threshold=16)
+    assert controller.resume_steps == 32
+    wave = [128] * 300 + [1] * 2 + [5] * 14 + [37, 69, 101] + [128] * 300
+    assert all(controller.decide(bs) for bs in wave * 3)
+    assert controller.n_switches == 1
+
+
+def test_a_load_that_really_dropped_resumes_after_32_small_batches() -> None:
+    controller = DynSpecController(threshold=16)
+    controller.decide(64)
+    assert [controller.decide(1) for _ in range(33)] == [True] * 31 + [False, False]
+    # a dwell longer than that is waited for as well
+    longer = DynSpecController(threshold=16, min_dwell_steps=40)
+    longer.decide(64)
+    assert sum(longer.decide(1) for _ in range(60)) == 39
+
+
 def test_resuming_needs_small_batches_in_a_row() -> None:
-    controller = DynSpecController(threshold=16, min_dwell_steps=3)
+    controller = DynSpecController(threshold=16, min_dwell_steps=3, resume_steps=3)
     controller.decide(64)
     # 2 small, 1 in the band (above resume_below = 14): the count starts again
     assert all(controller.decide(bs) for bs in (10, 10, 15, 10, 10))
@@ -147,6 +168,9 @@ def test_resuming_needs_small_batches_in_a_row() -> None:
         {"threshold": 8, "resume_below": -1},
         {"threshold": 8, "min_dwell_steps": 0},
         {"threshold": 8, "min_dwell_steps": 1.5},
+        {"threshold": 8, "resume_steps": 0},
+        {"threshold": 8, "resume_steps": 2.0},
+        {"threshold": 8, "resume_steps": True},
     ],
 )
 def test_argument_validation(kwargs: dict) -> None:
@@ -155,7 +179,7 @@ def test_argument_validation(kwargs: dict) -> None:
 
 
 def test_each_fallback_stretch_counts_its_own_small_batches() -> None:
-    controller = DynSpecController(threshold=16, min_dwell_steps=2)
+    controller = DynSpecController(threshold=16, min_dwell_steps=2, resume_steps=2)
     decisions = [controller.decide(bs) for bs in (64, 10, 10, 64, 64, 64, 10, 10)]
     # resumed at the second 10; back in fallback after 2 speculative steps; the next 10 is the
     # first small batch of this fallback stretch, not the third

@@ -156,6 +156,7 @@ def test_the_write_follows_the_draft_models_own_norms(shapes, fc_norm, input_nor
     assert_the_second_step_wrote_the_kv_alone(world)
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shapes, caplog):
     world = make_world(shapes, "0.5.17")
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
@@ -172,6 +173,7 @@ def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shape
     assert not dyn._adapters[type(world.worker)].draft_state_stale
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_resumes_at_once_after_the_checked_step(shapes):
     """The step that checks the write ran SGLang's draft-extend: its draft state is fresh, so
     a switch back right after it speculates at once (no extra fallback step)."""
@@ -652,6 +654,7 @@ def test_the_writes_of_n_steps_are_stored_together_at_the_nth(shapes, version, m
     assert "3 fallback steps' writes run as one" in adapter.draft_kv_write_note
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 @pytest.mark.parametrize("next_step", ["prefill", "resume", "grammar"])
 def test_every_other_kind_of_step_stores_the_kept_writes_first(shapes, monkeypatch, next_step):
     """A prefill's draft-extend may store into a slot a kept row still targets, and a draft

@@ -156,6 +156,7 @@ def test_a_changed_model_fails_the_check_and_keeps_the_draft_extend(shapes, capl
     assert not adapter_of(world).draft_state_stale
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shapes, caplog):
     world = make_world(shapes)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
@@ -173,6 +174,7 @@ def test_speculation_resumes_after_one_fallback_step_with_the_draft_extend(shape
     assert not adapter_of(world).draft_state_stale
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_resumes_at_once_after_the_checked_step(shapes):
     world = make_world(shapes)
     step(world, 3, 10)

@@ -137,6 +137,7 @@ def _largest(world: Any, first_slot: int, tokens: int, which: str) -> str:
     return f"{float((k if which == 'k' else v).abs().max()):.3g}"
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_after_a_kv_only_prefill_waits_for_one_step_with_the_draft_extend(shapes):
     world = make_world(shapes)
     in_fallback_and_checked(world)
@@ -150,6 +151,7 @@ def test_speculation_after_a_kv_only_prefill_waits_for_one_step_with_the_draft_e
     assert not adapter_of(world).draft_state_stale
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_while_speculating_a_prefill_keeps_sglangs_draft_pass(shapes):
     world = make_world(shapes)
     in_fallback_and_checked(world)

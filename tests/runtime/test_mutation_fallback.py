@@ -51,7 +51,8 @@ def test_a_bad_controller_setting_says_which_and_what_it_got(kwargs, message):
 
 def test_a_switch_logs_the_steps_spent_in_the_mode_it_leaves():
     lines: list[str] = []
-    controller = dyn.DynSpecController(threshold=4, min_dwell_steps=2, log=lines.append)
+    controller = dyn.DynSpecController(threshold=4, min_dwell_steps=2, log=lines.append,
+                                       resume_steps=2)
     for bs in (9, 9, 9, 1, 1):
         controller.decide(bs)
     assert lines == [

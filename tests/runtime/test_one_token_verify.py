@@ -186,6 +186,7 @@ def test_a_write_only_step_leaves_what_sglang_verify_leaves(shapes, monkeypatch,
     assert states["1"]["seq_lens"] == [12, 12, 12]  # verify() advanced L + 1 by one
 
 
+@pytest.mark.usefixtures("resume_after_one_small_step")
 def test_several_write_only_steps_and_the_resume_match_sglang_verify(shapes, monkeypatch):
     """A fallback stretch, then the step before speculation resumes (verify() and the
     draft-extend again), then the worker's own speculative step."""

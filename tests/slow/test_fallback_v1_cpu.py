@@ -175,7 +175,7 @@ def test_spec_fallback_spec_cycle_through_the_real_speculative_path(v1_case, dri
     """T=2 (resume at bs <= 1): r2 speculates alone on the worker's REAL speculative path
     (multi-step draft, tree from the reference kernel, TARGET_VERIFY, verify, draft-extend with
     real accept lengths); r0 and r1 join through the scheduler's merge_batch, so the batch of 3
-    switches to fallback steps; when both have finished and the dwell has passed, r2
+    switches to fallback steps; when both have finished and r2 has run 32 steps alone, r2
     speculates again from the draft state the fallback steps left. Every speculative step must
     accept exactly the drafts the toy draft gets right from its root, and every request's
     output must be the plain greedy sequence."""

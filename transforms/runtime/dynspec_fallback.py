@@ -97,6 +97,8 @@ logger = logging.getLogger(__name__)
 
 THRESHOLD_ARG = "speculative_disable_batch_threshold"
 DEFAULT_MIN_DWELL_STEPS = 8
+# Small decode batches in a row before speculation resumes (DynSpecController says why).
+RESUME_SMALL_STEPS = 32
 SUPPORTED_ALGORITHMS = frozenset({"EAGLE", "EAGLE3"})
 V1_WORKER_CLASS = "EAGLEWorker"
 V2_WORKER_CLASS = "EAGLEWorkerV2"
@@ -132,17 +134,21 @@ class DynSpecController:
     """Hysteresis switch between speculative and fallback decode steps.
 
     Enters fallback when the batch size is > ``threshold``, resumes speculation once it has
-    been <= ``resume_below`` for ``min_dwell_steps`` decode steps in a row, and stays at least
-    ``min_dwell_steps`` decode steps in a mode before switching. Inputs are integers only, so
-    every TP rank fed the same batch sizes takes the same decisions (ranks that diverged would
-    hang in collectives).
+    been <= ``resume_below`` for ``resume_steps`` decode steps in a row (``RESUME_SMALL_STEPS``,
+    32), and stays at least ``min_dwell_steps`` decode steps in a mode before switching. Inputs
+    are integers only, so every TP rank fed the same batch sizes takes the same decisions
+    (ranks that diverged would hang in collectives).
 
     Why resuming waits for a small batch to last: under load a decode batch can be small for a
-    step or two while the next requests are still being prefilled (on 2026-12-04, SGLang 0.5.17,
-    c = 64 waves: one decode step at bs 10 between two at bs 64). Resuming there cost a
-    draft-extend step and then, because of the dwell, 8 speculative steps at bs 64 (26 ms each
-    where a fallback step takes 8) per wave. A load that really dropped waits
-    ``min_dwell_steps`` cheap small-batch steps longer to speculate.
+    while the next requests are still arriving and being prefilled. On 2026-12-04 (SGLang
+    0.5.17, c = 64 waves) one decode step ran at bs 10 between two at bs 64; on 2026-12-05 (an
+    H100, 0.5.12.post1, c = 128 waves) the first 5 requests of a wave decoded alone for 8 steps
+    while the other 123 were still on their way, speculation resumed at bs 5, the 123 prefilled
+    with the full draft pass and 8 speculative steps ran as the batch grew to 128 before
+    fallback came back: that level gave 0.943 of plain decoding where its repeat gave 0.979.
+    Each such resume costs a draft-extend step and up to ``min_dwell_steps`` speculative steps
+    at the full batch (26 ms each where a fallback step takes 8). A load that really dropped
+    waits 32 cheap small-batch steps (about 0.2 s) longer to speculate.
     """
 
     def __init__(
@@ -151,6 +157,7 @@ class DynSpecController:
         resume_below: int | None = None,
         min_dwell_steps: int = DEFAULT_MIN_DWELL_STEPS,
         log: Callable[[str], None] | None = None,
+        resume_steps: int | None = None,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
             raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
@@ -169,6 +176,11 @@ class DynSpecController:
         self.threshold = threshold
         self.resume_below = resume_below
         self.min_dwell_steps = min_dwell_steps
+        if resume_steps is None:
+            resume_steps = RESUME_SMALL_STEPS
+        if isinstance(resume_steps, bool) or not isinstance(resume_steps, int) or resume_steps < 1:
+            raise ValueError(f"resume_steps must be an integer >= 1, got {resume_steps!r}")
+        self.resume_steps = resume_steps
         self._log = log
         self.in_fallback = False
         # The first switch may happen at once: a burst at start-up needs no warm-up dwell.
@@ -191,7 +203,7 @@ class DynSpecController:
         small = batch_size <= self.resume_below
         self.small_steps_in_a_row = self.small_steps_in_a_row + 1 if small else 0
         if self.in_fallback:
-            switch = self.small_steps_in_a_row >= self.min_dwell_steps
+            switch = self.small_steps_in_a_row >= self.resume_steps
         else:
             switch = batch_size > self.threshold
         if switch and self.steps_in_mode >= self.min_dwell_steps:

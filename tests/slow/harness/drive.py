@@ -471,7 +471,7 @@ def check_v2_steps(steps: int, graphs: bool = False) -> dict[str, Any]:
     return report
 
 
-def check_v2_cycle(max_steps: int = 60, graphs: bool = False) -> dict[str, Any]:
+def check_v2_cycle(max_steps: int = 100, graphs: bool = False) -> dict[str, Any]:
     """v2 at T=2: r2 speculates alone through EAGLEWorkerV2's REAL speculative path; r0 and r1
     join (merge_batch), the batch of 3 runs fallback steps; then r2 speculates again."""
     release = world.import_release("v2")
@@ -479,7 +479,7 @@ def check_v2_cycle(max_steps: int = 60, graphs: bool = False) -> dict[str, Any]:
     req_to_token_pool, allocator = world.memory()
     total = allocator.available_size()
     batch = world.v2_decode_batch(release, args, [world.RequestSpec(
-        prompt=list(range(40, 52)), first_token=33, max_new_tokens=90)], req_to_token_pool,
+        prompt=list(range(40, 52)), first_token=33, max_new_tokens=120)], req_to_token_pool,
         allocator, rids=["r2"])
     batch_ref = [batch]
     worker = world.v2_worker(release, args, req_to_token_pool, allocator, batch_ref)
@@ -512,7 +512,7 @@ def check_v2_cycle(max_steps: int = 60, graphs: bool = False) -> dict[str, Any]:
         "total_slots": total,
         "num_steps": args.speculative_num_steps,
         "first_tokens": {"r2": 33, "r0": 11, "r1": 22},
-        "max_new_tokens": {"r2": 90, "r0": 30, "r1": 34},
+        "max_new_tokens": {"r2": 120, "r0": 30, "r1": 34},
         "steps": [{k: step[k] for k in ("mode", "before", "emitted", "accept_lens",
                                         "free_plus_allocated", "stride", "draft_calls")}
                   for step in steps],
@@ -525,16 +525,16 @@ def check_v2_cycle(max_steps: int = 60, graphs: bool = False) -> dict[str, Any]:
     }
 
 
-def check_cycle(max_steps: int = 60) -> dict[str, Any]:
+def check_cycle(max_steps: int = 100) -> dict[str, Any]:
     """v1 at T=2 (resume at bs <= 1), through the REAL speculative path on both sides:
     r2 speculates alone; r0 and r1 join (the scheduler's merge_batch), so after the dwell the
-    batch of 3 runs fallback steps; once r0 and r1 have finished and the dwell has passed,
+    batch of 3 runs fallback steps; once r0 and r1 have finished and r2 has run 32 steps alone,
     r2 speculates again from the draft state the fallback steps left."""
     release = world.import_release("v1")
     args = world.server_args(threshold=2)
     req_to_token_pool, allocator = world.memory()
     total = allocator.available_size()
-    alone = [world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=90)]
+    alone = [world.RequestSpec(prompt=list(range(40, 52)), first_token=33, max_new_tokens=120)]
     joining = [
         world.RequestSpec(prompt=[3, 5, 7, 11, 13], first_token=11, max_new_tokens=30),
         world.RequestSpec(prompt=list(range(20, 29)), first_token=22, max_new_tokens=34),
@@ -578,7 +578,7 @@ def check_cycle(max_steps: int = 60) -> dict[str, Any]:
         "total_slots": total,
         "num_steps": args.speculative_num_steps,
         "first_tokens": {"r2": 33, "r0": 11, "r1": 22},
-        "max_new_tokens": {"r2": 90, "r0": 30, "r1": 34},
+        "max_new_tokens": {"r2": 120, "r0": 30, "r1": 34},
         "steps": steps,
         "emitted_by_rid": outputs,
         "controller": {"fallback_steps": controller.n_fallback_steps,
