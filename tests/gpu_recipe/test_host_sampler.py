@@ -44,6 +44,30 @@ def sampled(titles_cpus: list[tuple[str, int]], seconds: float = 2.5) -> dict:
 
 
 @needs_proc
+def test_the_clients_share_is_its_whole_process(tmp_path):
+    """The client's work runs in its connection threads, not its main thread."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        with HostSampler(interval_s=0.25) as host:
+            time.sleep(1.5)
+    finally:
+        stop.set()
+        worker.join()
+    summary = host.summary()
+    assert summary is not None
+    assert summary["processes"]["client"]["cpu_pct"] >= 40
+
+
+@needs_proc
 def test_two_spinning_processes_on_one_cpu_each_wait_half_the_time():
     s = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 0)])
     sched, detok = s["processes"]["scheduler"], s["processes"]["detokenizer"]
@@ -121,21 +145,27 @@ def thread(ticks: int, cpu: int, wait_ms: int = 0, switches: int = 0) -> ThreadS
 
 def test_a_scheduler_beside_a_busy_smt_sibling_shows_it(smt_sys, tmp_path):
     """Three 1-s ticks: the scheduler on CPU 0, then 1, then 1; CPU 2 (0's sibling) busy 80 %,
-    CPU 3 (1's sibling) idle; the client on CPU 2 in the first interval only."""
+    CPU 3 (1's sibling) idle; the client, busy, on CPU 2 (0's core) in the first interval; the
+    detokenizer idle on CPU 1 throughout (beside the scheduler from the second interval on, but
+    idle, so not sharing its core)."""
     tick = 100  # jiffies per second, as sysconf(SC_CLK_TCK) gives on Linux
     host = HostSampler(proc=str(tmp_path), sys_root=str(smt_sys))
     host.topo = topology(smt_sys)
-    host.pids = {"scheduler": 10, "client": 20}
+    host.pids = {"scheduler": 10, "client": 20, "detokenizer": 30}
 
     def cpus(n: int) -> dict[int, tuple[int, int]]:  # (busy, total) after n seconds
         return {0: (100 * n, 100 * n), 1: (100 * n, 100 * n), 2: (80 * n, 100 * n),
                 3: (0, 100 * n)}
 
     host.ticks = [
-        Tick(0.0, {"scheduler": thread(0, 0), "client": thread(0, 2)}, cpus(0)),
-        Tick(1.0, {"scheduler": thread(tick, 0, 100, 30), "client": thread(50, 2)}, cpus(1)),
-        Tick(2.0, {"scheduler": thread(2 * tick, 1, 150, 40), "client": thread(100, 2)}, cpus(2)),
-        Tick(3.0, {"scheduler": thread(3 * tick, 1, 200, 60)}, cpus(3)),  # the client gone
+        Tick(0.0, {"scheduler": thread(0, 0), "client": thread(0, 2),
+                   "detokenizer": thread(5, 1)}, cpus(0)),
+        Tick(1.0, {"scheduler": thread(tick, 0, 100, 30), "client": thread(50, 2),
+                   "detokenizer": thread(5, 1)}, cpus(1)),
+        Tick(2.0, {"scheduler": thread(2 * tick, 1, 150, 40), "client": thread(100, 2),
+                   "detokenizer": thread(5, 1)}, cpus(2)),
+        Tick(3.0, {"scheduler": thread(3 * tick, 1, 200, 60),  # the client gone
+                   "detokenizer": thread(5, 1)}, cpus(3)),
     ]
     s = host.summary()
     assert s is not None
@@ -147,7 +177,7 @@ def test_a_scheduler_beside_a_busy_smt_sibling_shows_it(smt_sys, tmp_path):
     assert sched["numa_nodes"] == [0, 1]
     # intervals charged to the CPU at their end: 0 (sibling 2 at 80 %), 1 and 1 (sibling 3 idle)
     assert sched["smt_sibling_busy_pct"] == pytest.approx(80 / 3, abs=0.1)
-    assert sched["core_shared_pct"] == pytest.approx(100 / 3, abs=0.1)  # tick 1 only
+    assert sched["core_shared_pct"] == pytest.approx(100 / 3, abs=0.1)  # the client's interval
     assert s["processes"]["client"]["cpus"] == [2]
     assert s["host"] == {"cpus": 4, "cores": 2, "numa_nodes": 2, "gpu_numa_nodes": [1],
                          "busy_pct": 70.0, "load_1min": None, "cpu_mhz": None}

@@ -17,7 +17,9 @@ runs the HTTP server and tokenizer) and of this client, and ``/proc/stat`` for e
 Per process: its main thread's CPU share (of one CPU), its run-queue wait (time it was runnable
 but not running, from ``schedstat``), its involuntary context switches per second, the CPUs and
 NUMA nodes it was seen on, how busy the other SMT threads of its core were while it ran there,
-and which other sampled processes were seen on its core. For the host: the CPUs' mean busy
+and how often another sampled process that was busy (a tenth of the interval or more) was
+seen on its core. The client's CPU share is its whole process's (its work runs in one thread
+per connection), SGLang's processes' their main thread's. For the host: the CPUs' mean busy
 share, the 1-minute load, the mean ``cpu MHz`` that ``/proc/cpuinfo`` reports (a VM often
 reports a fixed figure), and the topology (CPUs, cores, NUMA nodes, the GPUs' NUMA nodes). Reads
 only; on a host without ``/proc`` the summary is None.
@@ -56,19 +58,23 @@ class Tick:
     cpu_times: dict[int, tuple[int, int]]  # per CPU: (busy jiffies, all jiffies)
 
 
-def read_thread(proc: Path, pid: int) -> ThreadSample | None:
-    """The main thread of ``pid``: /proc/PID/task/PID/{stat,schedstat,status}; None once gone."""
+def read_thread(proc: Path, pid: int, whole_process: bool = False) -> ThreadSample | None:
+    """The main thread of ``pid``: /proc/PID/task/PID/{stat,schedstat,status}; with
+    ``whole_process`` the CPU time is every thread's (/proc/PID/stat), the rest the main
+    thread's. None once the process is gone."""
     task = proc / str(pid) / "task" / str(pid)
     try:
         stat = (task / "stat").read_text()
         schedstat = (task / "schedstat").read_text().split()
         status = (task / "status").read_text()
+        process_stat = (proc / str(pid) / "stat").read_text() if whole_process else stat
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 is fields[0]
+    process = process_stat[process_stat.rindex(")") + 2:].split()
     involuntary = next((int(line.split()[1]) for line in status.splitlines()
                         if line.startswith("nonvoluntary_ctxt_switches:")), 0)
-    return ThreadSample(cpu_ticks=int(fields[11]) + int(fields[12]), cpu=int(fields[36]),
+    return ThreadSample(cpu_ticks=int(process[11]) + int(process[12]), cpu=int(fields[36]),
                         run_ns=int(schedstat[0]), wait_ns=int(schedstat[1]),
                         involuntary=involuntary)
 
@@ -169,7 +175,8 @@ class HostSampler:
     def _sample(self) -> None:
         threads = {}
         for name, pid in self.pids.items():
-            s = read_thread(self.proc, pid)
+            # the client's work runs in one thread per connection, SGLang's in the main thread
+            s = read_thread(self.proc, pid, whole_process=name == "client")
             if s is not None:
                 threads[name] = s
         self.ticks.append(Tick(time.monotonic(), threads, read_cpu_times(self.proc)))
@@ -230,7 +237,8 @@ class HostSampler:
             siblings = [c for c, k in core_of.items() if k == core and c != cpu]
             if siblings:
                 sibling_busy.append(statistics.fmean(busy[i - 1].get(c, 0.0) for c in siblings))
-            if any(core_of.get(s.cpu) == core for other, s in t.threads.items() if other != name):
+            if any(core_of.get(s.cpu) == core and self._busy(other, i)
+                   for other, s in t.threads.items() if other != name):
                 shared += 1
         return {
             "pid": self.pids[name],
@@ -243,6 +251,15 @@ class HostSampler:
             if sibling_busy else None,
             "core_shared_pct": round(100 * shared / (len(seen) - 1), 1),
         }
+
+
+    def _busy(self, name: str, i: int) -> bool:
+        """Whether ``name`` ran at least a tenth of the interval that ends at tick ``i``."""
+        before, after = self.ticks[i - 1], self.ticks[i]
+        if name not in before.threads or name not in after.threads or after.at <= before.at:
+            return False
+        ticks = after.threads[name].cpu_ticks - before.threads[name].cpu_ticks
+        return ticks / TICK >= 0.1 * (after.at - before.at)
 
 
 def cpu_busy(a: dict[int, tuple[int, int]], b: dict[int, tuple[int, int]]) -> dict[int, float]:
