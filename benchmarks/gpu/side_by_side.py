@@ -21,7 +21,8 @@ server and level, the host as its scheduler met it (client.py's ``"host"``, host
 scheduler's main thread's CPU share, its run-queue wait, involuntary switches, the CPUs it ran
 on, how busy their SMT siblings were, how often another sampled process shared its core; the
 client's CPU share and CPUs; the host's busy share and load), since a host-bound step (v1)
-slows with its core, not with the GPU.
+slows with its core, not with the GPU; then the levels during which the server compiled
+kernels (client.py's ``"jit_compiled"``: the JIT caches' new files).
 Standard library only.
 """
 
@@ -155,6 +156,22 @@ def host_table(raw: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
+def jit_table(raw: dict) -> str:
+    """Levels during which the server's JIT caches gained files (client.py's ``"jit_compiled"``):
+    kernels a server compiled at first use, stalling the step that called them."""
+    rows = []
+    for name, result in raw.items():
+        for level in result.get("levels", []):
+            for cache, new in sorted((level.get("jit_compiled") or {}).items()):
+                if new["new_files"]:
+                    rows.append(f"| {name} | {level['concurrency']} | {level.get('repeat', 0)} | "
+                                f"{cache} | {new['new_files']} | {', '.join(new['kernels'])} |")
+    if not rows:
+        return ""
+    return "\n".join(["| server | c | repeat | cache | new files | kernels |",
+                      "|---|---|---|---|---|---|", *rows])
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     ap.add_argument("results")
@@ -167,7 +184,8 @@ def main(argv: list[str]) -> None:
     kinds = [a.patched, a.plain, *a.against]
     for part in (speed_table(results, kinds),
                  ratio_table(results, a.patched, [a.plain, *a.against]),
-                 pairs_table(raw, a.patched, a.plain), clocks_table(raw), host_table(raw)):
+                 pairs_table(raw, a.patched, a.plain), clocks_table(raw), host_table(raw),
+                 jit_table(raw)):
         if part:
             print(part, end="\n\n")
 

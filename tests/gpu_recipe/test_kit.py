@@ -320,7 +320,10 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, str(KIT / "scripts" / "client.py"), stub_url, str(out), "s",
            "--levels", "1,4", "--greedy", "1", "--olen", "8", "--duration", "0.5", "--repeats", "2"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    (tmp_path / "triton").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TVM_FFI_CACHE_DIR"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # the server's, as run.sh exports it
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60, env=env)
     result = json.loads(out.read_text())
     assert result["server_info"]["version"] == "stub"  # the result names the server it measured
     assert result["effective_args"]["version"] == "stub"
@@ -351,6 +354,7 @@ def test_client_levels_run_for_their_duration_and_repeat(stub_url, tmp_path):
         # the host as the level met it: no SGLang process here, the client itself sampled
         client = d["host"]["processes"]["client"]
         assert client["pid"] not in (os.getpid(), None) and client["cpu_pct"] >= 0
+        assert d["jit_compiled"] == {"triton": {"new_files": 0, "kernels": []}}
     # the radix cache was emptied once before each level, before its first request
     assert len(SweepStub.flushes) == len(levels)
 

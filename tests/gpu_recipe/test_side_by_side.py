@@ -81,3 +81,17 @@ def test_the_host_table_shows_where_each_servers_scheduler_ran(tmp_path):
     out = run(tmp_path, results, "--patched", "dyn-v1", "--plain", "base-v1")
     assert "| dyn-v1 | 64 | 99 | 3.25 | 41 | 3 | 88 | 60 | 55 | 11,3 | 22 | 3.2 |" in out
     assert "| base-v1 | 64 |" not in out  # it recorded no host
+
+
+def test_levels_that_compiled_kernels_are_listed(tmp_path):
+    compiled = level(128, 90, 95)
+    compiled["repeat"] = 0
+    compiled["jit_compiled"] = {"triton": {"new_files": 3, "kernels": ["a_kernel", "b_kernel"]},
+                                "tvm_ffi": {"new_files": 0, "kernels": []}}
+    quiet = level(128, 95, 96)
+    quiet["repeat"] = 1
+    quiet["jit_compiled"] = {"triton": {"new_files": 0, "kernels": []}}
+    results = {"dyn-v1": {"levels": [compiled, quiet]}, "base-v1": {"levels": [level(128, 99, 99)]}}
+    out = run(tmp_path, results, "--patched", "dyn-v1", "--plain", "base-v1")
+    assert "| dyn-v1 | 128 | 0 | triton | 3 | a_kernel, b_kernel |" in out
+    assert "| dyn-v1 | 128 | 1 |" not in out and "tvm_ffi" not in out

@@ -37,7 +37,9 @@
 # starts evicting cached prompts earlier in the sweep than plain decoding. Each level also records
 # the GPU's clocks (gpu_sampler.py; None without nvidia-smi) and where the server's processes and
 # this client ran on the host's CPUs and what they waited for (host_sampler.py: v1's step is host
-# time, and its first server on a machine ran slower at every step at the same GPU clocks).
+# time, and its first server on a machine ran slower at every step at the same GPU clocks), and
+# the kernels the server's JIT caches gained during the level (jit_compiles.py: a first server
+# compiles at first use what later ones load).
 # --olens A,B: every level at each of these output lengths (each entry keeps its "olen"). Without
 # --duration a level is one wave of c requests sent together, and the wave's wall at two lengths
 # splits it into a fixed part (the prefill of c prompts and the steps around it) and a per-token
@@ -60,6 +62,7 @@ import server_info  # beside this script
 from gc_pauses import GcPauses
 from gpu_sampler import GpuSampler
 from host_sampler import HostSampler
+from jit_compiles import JitCompiles
 from keepalive import post_json
 from together import run_together
 
@@ -304,7 +307,8 @@ def main(argv):
             if why:
                 out["errors"].append(f"c={c}: cache not flushed: {why}")
         try:
-            with GpuSampler() as gpu, GcPauses() as pauses, HostSampler() as host:
+            with (GpuSampler() as gpu, GcPauses() as pauses, HostSampler() as host,
+                  JitCompiles() as jit):
                 if a.duration > 0:
                     res, wall, by_prompt, parts, first_span = run_for(
                         1000 + c + 7919 * rep, c, a.duration, olen
@@ -332,6 +336,7 @@ def main(argv):
             d["cache_flushed"] = flushed
             d["gpu"] = gpu.summary()
             d["host"] = host.summary()
+            d["jit_compiled"] = jit.summary()
             d["client_gc"] = pauses.summary()
             if rep == 0 and olen == olens[0] and c == max(levels):
                 # greedy outputs of the fixed prompts under load

@@ -28,7 +28,8 @@ Each level also records the GPU's clocks, temperature, power and throttle reason
 kind of step differed by 10-20 % at c >= 64, and a level that records no clocks cannot tell a
 slower GPU from a slower server; and the host's CPUs as the server's processes met them
 (``"host"``, host_sampler.py: the scheduler's CPU share, run-queue wait, the cores it ran on and
-how busy their SMT siblings were), the step's other half.
+how busy their SMT siblings were), the step's other half; and the kernels the server's JIT
+caches gained during the level (``"jit_compiled"``, jit_compiles.py).
 ``--burst`` then runs its levels back to back once more in ``--burst-region`` (``"phase":
 "burst"``; accept50, where speculation wins at c = 1 and plain steps at c = 64 on the 8b
 models): each level records its wall-clock start and end (``started_unix``/``ended_unix``), so
@@ -52,6 +53,7 @@ import crafted
 import server_info
 from gpu_sampler import GpuSampler
 from host_sampler import HostSampler
+from jit_compiles import JitCompiles
 from keepalive import post_json
 from together import run_together
 
@@ -234,10 +236,10 @@ def main(argv: list[str]) -> None:
             flushed = not why
             if why:
                 out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
-        with GpuSampler() as gpu, HostSampler() as host:
+        with GpuSampler() as gpu, HostSampler() as host, JitCompiles() as jit:
             d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
         d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed,
-              "gpu": gpu.summary(), "host": host.summary()}
+              "gpu": gpu.summary(), "host": host.summary(), "jit_compiled": jit.summary()}
         if d["failed"]:
             out["errors"].append(f"{phase} {region} c={conc}: {d['first_error']}")
         out["levels"].append(d)
