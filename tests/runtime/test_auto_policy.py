@@ -342,6 +342,19 @@ def test_a_probe_runs_until_it_has_verified_64_requests_at_most_8_steps():
         assert first_probe + steps not in spec, bs  # then fallback steps again
 
 
+def test_a_probe_stops_when_the_load_moves_2x_and_one_at_the_new_load_follows():
+    """A probe began at bs 8 (8 steps due) when a wave's first requests decoded alone; the rest
+    arrive after 2 of its steps: it stops, and the probe at the new load comes 16 steps on."""
+    policy = policy_with(1.0)
+    for _ in range(2000):
+        policy.decide(128)  # into fallback; the gap grows
+    first = [policy.decide(8) for _ in range(17)]
+    assert first[-2:] == [False, False] and all(first[:15])  # the probe at bs 8 began
+    after = [policy.decide(128) for _ in range(40)]
+    spec = [i for i, fallback in enumerate(after) if not fallback]
+    assert spec == [15]  # one step of 128 requests, 16 steps after the move
+
+
 def test_in_fallback_the_probe_gap_starts_again_when_the_load_moves_2x():
     policy = policy_with(1.0)
     for _ in range(5000):

@@ -267,7 +267,10 @@ class AutoConfig:
     gap doubling after each probe (up to the cap) until speculation is back, and back to
     ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
     ``probe_gap_max`` steps. ``probe_requests`` / ``probe_steps_max``: a speculative probe
-    runs consecutive steps until it has verified this many requests, at most that many steps.
+    runs consecutive steps until it has verified this many requests, at most that many steps,
+    and stops when the padded batch size moves 2x from the one it began at (a wave's first
+    requests probed alone, then the rest arrived: its steps would be speculative steps at the
+    full batch, each 3x a plain one at bs 128, and read another load's acceptance).
     ``explore_gap``: while the table has no cost for the other mode at this batch size, one
     step of it every this many steps. ``sync_every``: rank 0's measurements become every
     rank's decision inputs at the decode steps that are multiples of this; ``lag_steps``: only
@@ -499,6 +502,8 @@ class GoodputPolicy:
         else:
             self._wins = 0
         run_fallback = self.in_fallback
+        if self._probe_left > 0 and not _same_load(padded, self._gap_padded):
+            self._probe_left = 0  # the load moved 2x: the gap starts again below
         if self._probe_left > 0 and self.in_fallback:  # the probe under way goes on
             self._probe_left -= 1
             run_fallback = False
