@@ -68,29 +68,24 @@ def test_the_clients_share_is_its_whole_process(tmp_path):
 
 
 @needs_proc
-def test_two_spinning_processes_on_one_cpu_each_wait_half_the_time():
-    s = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 0)])
-    sched, detok = s["processes"]["scheduler"], s["processes"]["detokenizer"]
-    for p in (sched, detok):
-        assert 30 <= p["cpu_pct"] <= 70
-        assert p["runqueue_wait_pct"] >= 25
-        assert p["involuntary_switches_per_s"] > 5
-        assert p["cpus"] == [0]
-        assert p["core_shared_pct"] == 100.0
-    assert "client" in s["processes"]  # this process, sampled too
-    assert s["host"]["cpus"] == os.cpu_count()
-
-
-@needs_proc
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")
-def test_a_process_alone_on_its_cpu_runs_without_waiting():
-    s = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 1)])
-    sched = s["processes"]["scheduler"]
-    assert sched["cpu_pct"] >= 80
-    assert sched["runqueue_wait_pct"] < 15
-    assert sched["cpus"] == [0]
-    assert sched["core_shared_pct"] < 100  # the detokenizer spun on CPU 1 throughout
-    assert s["host"]["busy_pct"] >= 100 * 2 / os.cpu_count() * 0.7
+def test_a_second_spinning_process_on_the_schedulers_cpu_shows_as_waiting():
+    """The scheduler spinning on CPU 0 with the detokenizer on CPU 1, then both on CPU 0.
+    Compared with each other, not with fixed figures: whatever else runs on CPU 0 (a test
+    machine's other work) adds to both samples alike."""
+    alone = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 1)])
+    paired = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 0)])
+    for s in (alone, paired):
+        assert s["processes"]["scheduler"]["cpus"] == [0]
+        assert "client" in s["processes"]  # this process, sampled too
+        assert s["host"]["cpus"] == os.cpu_count()
+    a, p = alone["processes"]["scheduler"], paired["processes"]["scheduler"]
+    assert p["cpu_pct"] <= 0.85 * a["cpu_pct"]  # half of CPU 0 where it had all of it
+    assert p["runqueue_wait_pct"] >= a["runqueue_wait_pct"] + 5
+    assert p["involuntary_switches_per_s"] > 0  # preempted (how often depends on the others)
+    assert a["core_shared_pct"] == 0  # the detokenizer spun on another core
+    assert p["core_shared_pct"] == 100.0  # ... then on the scheduler's
+    assert paired["processes"]["detokenizer"]["cpus"] == [0]
 
 
 def test_without_proc_nothing_is_recorded(tmp_path):
