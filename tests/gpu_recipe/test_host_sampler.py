@@ -134,7 +134,7 @@ def test_topology_maps_cpus_to_cores_and_nodes_and_finds_the_gpus_node(smt_sys):
 
 
 def thread(ticks: int, cpu: int, wait_ms: int = 0, switches: int = 0) -> ThreadSample:
-    return ThreadSample(cpu_ticks=ticks, cpu=cpu, run_ns=0, wait_ns=wait_ms * 1_000_000,
+    return ThreadSample(cpu_ticks=ticks, cpu=cpu, wait_ns=wait_ms * 1_000_000,
                         involuntary=switches)
 
 

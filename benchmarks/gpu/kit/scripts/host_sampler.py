@@ -44,9 +44,8 @@ TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 @dataclass
 class ThreadSample:
-    cpu_ticks: int  # utime + stime of the thread
+    cpu_ticks: int  # utime + stime of the thread (of every thread: whole_process)
     cpu: int  # the CPU it last ran on
-    run_ns: int
     wait_ns: int  # runnable, not running
     involuntary: int
 
@@ -75,8 +74,7 @@ def read_thread(proc: Path, pid: int, whole_process: bool = False) -> ThreadSamp
     involuntary = next((int(line.split()[1]) for line in status.splitlines()
                         if line.startswith("nonvoluntary_ctxt_switches:")), 0)
     return ThreadSample(cpu_ticks=int(process[11]) + int(process[12]), cpu=int(fields[36]),
-                        run_ns=int(schedstat[0]), wait_ns=int(schedstat[1]),
-                        involuntary=involuntary)
+                        wait_ns=int(schedstat[1]), involuntary=involuntary)
 
 
 def read_cpu_times(proc: Path) -> dict[int, tuple[int, int]]:
