@@ -21,6 +21,7 @@ the regions it ran stands for it. Standard library only (the SVG is written by h
 
 from __future__ import annotations
 
+import argparse
 import calendar
 import json
 import math
@@ -348,21 +349,26 @@ def _escape(text: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    log = None
-    if "--log" in argv:
-        at = argv.index("--log")
-        log, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
-    if not argv:
-        raise SystemExit(__doc__)
-    path = Path(argv[0])
-    per_server = json.loads(path.read_text())
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, metavar="RESULTS_JSON")
+    parser.add_argument("out_svg", type=Path, nargs="?", metavar="OUT_SVG",
+                        help="the plot (default: envelope.svg beside RESULTS_JSON)")
+    parser.add_argument("--log", type=Path, metavar="AUTO_SERVER_LOG",
+                        help="the first auto server's log: its switches per level")
+    args = parser.parse_args(argv)
+    path, log = args.results, args.log
+    try:
+        per_server = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"envelope_report.py: cannot read {path}: {exc}\n")
     results = pooled(per_server)
-    out_svg = Path(argv[1]) if len(argv) > 1 else path.parent / "envelope.svg"
+    out_svg = args.out_svg or path.parent / "envelope.svg"
     table = envelope(results)
-    args = results.get(AUTO, {}).get("effective_args") or {}
+    auto_args = results.get(AUTO, {}).get("effective_args") or {}
     print("## Envelope: output tok/s per concurrency and acceptance region\n")
-    print(f"auto server: threshold {args.get('speculative_disable_batch_threshold')!r}, "
-          f"SGLang {args.get('version')}, model {args.get('model_path')}\n")
+    print(f"auto server: threshold {auto_args.get('speculative_disable_batch_threshold')!r}, "
+          f"SGLang {auto_args.get('version')}, model {auto_args.get('model_path')}\n")
     print(markdown(table))
     print("## Goals\n")
     print(goals(table))
@@ -379,7 +385,7 @@ def main(argv: list[str]) -> None:
     if log is not None:  # the first auto server's log
         print("\n## auto's switches per level\n")
         print(switches_per_level(per_server.get(AUTO, {}), log.read_text(errors="replace")))
-    title = f"output tok/s vs concurrency, SGLang {args.get('version') or '?'}"
+    title = f"output tok/s vs concurrency, SGLang {auto_args.get('version') or '?'}"
     out_svg.write_text(svg(results, table, title))
     print(f"\nwrote {out_svg}")
 

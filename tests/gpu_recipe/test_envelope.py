@@ -284,6 +284,18 @@ def test_the_plot_has_a_panel_per_region_and_a_line_per_server(tmp_path):
                                     "env-fixed-T16", "env-auto", "env-base", "env-eagle"])
 
 
+def test_a_results_file_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys):
+    broken = tmp_path / "results.json"
+    broken.write_text("{not json")
+    for path in (broken, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as stop:
+            envelope_report.main([str(path)])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cannot read {path}" in err
+    assert not (tmp_path / "envelope.svg").exists()
+
+
 def test_big_weights_go_out_in_shards_with_an_index(tmp_path, monkeypatch):
     """The 8b target (~16 GB) is written shard by shard; safetensors itself is only on the GPU
     host, so a stand-in save_file records what each shard holds."""
