@@ -285,6 +285,107 @@ def test_the_draft_kv_write_captures_come_before_the_sizes_already_compiled(
     ]
 
 
+def slot_assignment_module(monkeypatch: Any, name: str) -> list[tuple[Any, ...]]:
+    """A stand-in SGLang module ``name`` whose ``assign_req_to_token_pool_func`` does what the
+    kernel does (0.5.16+'s own CPU path): row i's slots start..end of its request-pool row take
+    the next end - start entries of out_cache_loc. It records each call's arguments."""
+    import torch
+
+    calls: list[tuple[Any, ...]] = []
+
+    def assign(req_pool_indices, req_to_token, start, end, out_cache_loc, batch_size):
+        calls.append((req_pool_indices, req_to_token, start, end, out_cache_loc, batch_size))
+        taken = 0
+        for i in range(batch_size):
+            lo, hi = int(start[i]), int(end[i])
+            row = int(req_pool_indices[i])
+            req_to_token[row, lo:hi] = out_cache_loc[taken : taken + hi - lo].to(torch.int32)
+            taken += hi - lo
+
+    module = types.ModuleType(name)
+    module.assign_req_to_token_pool_func = assign
+    monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "module", dyn.SLOT_ASSIGN_MODULES, ids=["0.5.16+", "0.5.13-0.5.15", "<=0.5.12"]
+)
+def test_sglangs_slot_assignment_compiles_at_every_power_of_two_and_assigns_nothing(
+    forward_batch_info, monkeypatch, caplog, module
+):
+    """Its Triton kernel's block constant is the batch size's next power of two (a compile at
+    the first batch of each after a fresh start): each power up to the largest batch, for
+    int32 offsets (v2's allocation) and int64 (v1's seq_lens), every row's range empty."""
+    import torch
+
+    calls = slot_assignment_module(monkeypatch, module)
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    before = world.req_to_token.clone()
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    # graphs up to 64, max_running_requests 48: the largest batch is 64
+    powers = [1, 2, 4, 8, 16, 32, 64]
+    assert [(c[5], c[2].dtype) for c in calls] == [
+        (bs, dtype) for dtype in (torch.int32, torch.int64) for bs in powers
+    ]
+    for rows, req_to_token, start, end, out_cache_loc, bs in calls:
+        assert req_to_token is world.worker.req_to_token_pool.req_to_token
+        assert rows.tolist() == [0] * bs and rows.dtype == torch.int64
+        assert start.tolist() == end.tolist() == [0] * bs
+        assert out_cache_loc.dtype == torch.int64 and len(out_cache_loc) == bs
+    assert torch.equal(world.req_to_token, before)  # nothing assigned
+    (line,) = warmup_lines(caplog)
+    assert f"slot assignment {2 * len(powers)}) in " in line.getMessage()
+
+
+def test_v1_warms_up_the_slot_assignment_too(forward_batch_info, monkeypatch, caplog):
+    """SGLang's EAGLEWorker holds the pool as its own model runner does (stand-in: neither)."""
+    calls = slot_assignment_module(monkeypatch, dyn.SLOT_ASSIGN_MODULES[2])
+    world = warm_world("0.5.12.post1", "v1", batch_size=4)
+    world.worker.target_worker.model_runner.req_to_token_pool = types.SimpleNamespace(
+        req_to_token=world.req_to_token
+    )
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v1") is not None
+    assert len(calls) == 14 and all(c[1] is world.req_to_token for c in calls)
+    (line,) = warmup_lines(caplog)
+    assert "24/24 ok (clamp_position 1, DECODE 9, slot assignment 14)" in line.getMessage()
+
+
+def test_without_a_request_pool_to_hand_it_the_rest_warms_up(
+    forward_batch_info, monkeypatch, caplog
+):
+    calls = slot_assignment_module(monkeypatch, dyn.SLOT_ASSIGN_MODULES[2])
+    world = warm_world("0.5.12.post1", "v1", batch_size=4)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v1") is not None
+    assert calls == []
+    (line,) = warmup_lines(caplog)
+    assert "10/10 ok (clamp_position 1, DECODE 9) in " in line.getMessage()
+
+
+def test_slot_assignment_covers_max_running_requests_above_the_largest_graph(
+    forward_batch_info, monkeypatch
+):
+    calls = slot_assignment_module(monkeypatch, dyn.SLOT_ASSIGN_MODULES[0])
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    world.worker.server_args.max_running_requests = 100  # next power of two: 128
+    assert step(world, "v2") is not None
+    assert sorted({c[5] for c in calls}) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_a_release_without_the_slot_assignment_kernel_warms_up_the_rest(
+    forward_batch_info, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, dyn.SLOT_ASSIGN_MODULES[0], types.ModuleType("allocation"))
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    assert step(world, "v2") is not None
+    adapter = dyn._adapters[type(world.worker)]
+    kinds = {kind for kind, _ in dyn._warmup_replays(adapter, world.worker)}
+    assert kinds == {"clamp_position", "DECODE", "width-1 draft-extend"}
+
+
 def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
     world = warm_world("0.5.12.post1", "v1", batch_size=4)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):

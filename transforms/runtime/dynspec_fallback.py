@@ -3064,7 +3064,63 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
         writes = kv_write.graph_sizes if kv_write.capture is not None else sorted({1, *sizes[-1:]})
         for bs in writes:
             replays.append(("draft KV write", functools.partial(write_kv, bs)))
+    replays += _slot_assignment_warmups(adapter, worker, device)
     return replays + later
+
+
+# SGLang's speculative slot bookkeeping (``assign_req_to_token_pool_func``), by release: where
+# it lives from 0.5.16, in 0.5.13-0.5.15, up to 0.5.12.
+SLOT_ASSIGN_MODULES = (
+    "sglang.srt.mem_cache.allocation",
+    "sglang.srt.speculative.triton_ops.cache_locs",
+    "sglang.srt.speculative.spec_utils",
+)
+
+
+def _slot_assignment_warmups(
+    adapter: Adapter, worker: Any, device: Any
+) -> list[tuple[str, Callable[[], Any]]]:
+    """SGLang's ``assign_req_to_token_pool`` for every batch size a step can hand it.
+
+    Every speculative step (and the allocation before a fallback step) records a request's new
+    slots with this Triton kernel, whose block constant is the batch size's next power of two:
+    it compiles once per power of two, at the first batch of that size after a start with empty
+    caches: inside a loaded level, where the scheduler's thread waits for it (0.5.17, a fresh
+    H100's first server, 2026-12-05: three of its four levels compiled it, and the one that
+    compiled it and SGLang's prefill kernel gave 0.934 of plain decoding, the others
+    0.980-0.995). Its offsets are int32 (v2's decode allocation) or int64 (v1's verify and
+    extend, the seq_lens); both are compiled. Each call assigns nothing: every row's range is
+    empty (start == end), so the kernel reads the offsets and stores no slot.
+    """
+    import torch
+
+    assign = None
+    for name in SLOT_ASSIGN_MODULES:
+        assign = getattr(sys.modules.get(name), "assign_req_to_token_pool_func", None)
+        if assign is not None:
+            break
+    target_runner = worker.target_worker.model_runner
+    pool = getattr(worker, "req_to_token_pool", None) or getattr(
+        target_runner, "req_to_token_pool", None
+    )
+    if assign is None or pool is None:
+        return []  # its first real uses compile it, as before
+    req_to_token = pool.req_to_token
+    sizes = adapter.decode_graphs.batch_sizes if adapter.decode_graphs else []
+    max_running = getattr(worker.server_args, "max_running_requests", None)
+    largest = max([1, *sizes, int(max_running or 1)])
+
+    def assign_nothing(bs: int, dtype: Any) -> None:
+        rows = torch.zeros(bs, dtype=torch.int64, device=device)  # request-pool row 0
+        empty = torch.zeros(bs, dtype=dtype, device=device)  # start == end: no slot stored
+        assign(rows, req_to_token, empty, empty, rows, bs)
+
+    powers = [1 << k for k in range((largest - 1).bit_length() + 1)]
+    return [
+        ("slot assignment", functools.partial(assign_nothing, bs, dtype))
+        for dtype in (torch.int32, torch.int64)
+        for bs in powers
+    ]
 
 
 def run_warmup(
