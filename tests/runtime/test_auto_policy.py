@@ -250,10 +250,9 @@ def test_no_explore_step_speculates_above_a_size_where_even_full_acceptance_lose
     measured = CostTable({bs: (spec_ms(bs), plain_ms(bs)) for bs in (8, 64)})
     for most, explores in ((2.5, 0), (4.0, 1)):  # bs 64: 2.5 / 48.4 < 1 / 16.6 < 4 / 48.4
         policy = GoodputPolicy(AutoConfig(max_tokens_per_step=most), GRAPH_SIZES)
-        policy.adopt(Snapshot(1.2, measured))
-        for _ in range(2 * AutoConfig().confirm_steps):
-            policy.decide(64)
-        assert policy.in_fallback
+        # no acceptance read yet (so no bound from it): the bound of full acceptance alone
+        policy.adopt(Snapshot(None, measured))
+        policy.in_fallback = True
         policy.decide(128)  # 128: never measured, so its speculative cost is unknown
         assert policy.n_explores == explores, most
 
@@ -605,6 +604,38 @@ def test_probes_that_agree_at_one_load_pool_and_others_replace():
     assert measurements.tokens_per_step == pytest.approx(2.1 * 2.0 / 3.6)
 
 
+def test_a_probe_of_one_request_joins_or_replaces_by_all_its_steps_not_its_first():
+    """At bs 1 a probe's step is one request's one verify: at 50 % acceptance it reads 1 token
+    half the time. Mixed traffic at c = 1 (on an H100, 2026-12-05): probes of a 0 % request
+    read 1.0; the next request's probe began with a 1-token step and, judged on that step, joined
+    them, so its 2.0 counted as 1.25 and speculation (1.0 / 8.8 ms against 1 / 6.1 ms at 1.25
+    tokens) never won back."""
+    probe_of_50 = [(1, 1.0), (1, 3.0), (1, 1.0), (1, 2.0), (1, 4.0), (1, 1.0), (1, 2.0), (1, 2.0)]
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(1, 1.0)] * 8, probe=True)  # two probes of a 0 % request
+    fallback_step(measurements, 8, requests=1)
+    verified(measurements, [(1, 1.0)] * 8, probe=True, first_step=9)
+    fallback_step(measurements, 17, requests=1)
+    assert measurements.tokens_per_step == 1.0
+    verified(measurements, probe_of_50, probe=True, first_step=18)
+    assert measurements.tokens_per_step == pytest.approx(2.0)  # it replaced them
+    fallback_step(measurements, 26, requests=1)
+    # a probe whose first step is far off but whose steps agree joins: 2.0 and 2.25
+    verified(measurements, [(1, 4.0), (1, 1.0), (1, 2.0), (1, 2.0)], probe=True, first_step=27)
+    assert measurements.tokens_per_step == pytest.approx((16 + 9) / 12)
+
+
+def test_a_probe_is_judged_as_it_goes():
+    """Its steps so far decide at every read: the window follows the probe while it runs."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(1, 2.0)] * 8, probe=True)
+    fallback_step(measurements, 8, requests=1)
+    verified(measurements, [(1, 2.2)], probe=True, first_step=9)  # agrees so far: joins
+    assert measurements.tokens_per_step == pytest.approx((16 + 2.2) / 9)
+    verified(measurements, [(1, 4.0)] * 3, first_step=10, probe=True)  # mean 3.55: replaces
+    assert measurements.tokens_per_step == pytest.approx((2.2 + 12) / 4)
+
+
 def test_the_snapshot_says_at_which_load_its_acceptance_was_read():
     measurements = Measurements(WINDOW_64, StepCosts())
     assert measurements.snapshot().tokens_load == 0  # nothing read yet
@@ -689,14 +720,26 @@ def test_after_switching_back_a_plain_probe_comes_after_1024_steps():
     assert not any(decisions[back + 8 : back + 1000])  # speculating: no plain step for 1024
 
 
-def test_in_fallback_an_unknown_speculative_cost_is_explored_per_size():
+def test_in_fallback_an_unknown_speculative_cost_is_explored_per_size_where_undecided():
+    costs = CostTable({64: (30.0, 10.0), 96: (None, 12.0), 128: (None, 14.0)})
+    policy = policy_with(3.5, costs)
+    policy.in_fallback = True  # bs 64 measured: 3.5 tokens in 30 ms beat 1 in 10, barely
+    # above 64 that bound decides nothing: one speculative step at each new size (their own
+    # explore gaps), then plain steps
+    assert [policy.decide(bs) for bs in (128, 96, 128, 96)] == [False, False, True, True]
+
+
+def test_in_fallback_no_explore_step_where_a_measured_size_already_decides():
+    """Plain steps win at bs 64 at today's acceptance, so they win above it: a speculative
+    step at 96 or 128 would only cost (2026-12-05, an H100, mix c = 128: auto 0.97 of a fixed
+    T, its extra speculative steps the difference)."""
     costs = CostTable({64: (30.0, 10.0), 96: (None, 12.0), 128: (None, 14.0)})
     policy = policy_with(1.0, costs)
     for _ in range(8):
         policy.decide(64)
     assert policy.in_fallback
-    # one speculative step at each new size (their own explore gaps), then plain steps
-    assert [policy.decide(bs) for bs in (128, 96, 128, 96)] == [False, False, True, True]
+    assert [policy.decide(bs) for bs in (128, 96, 128, 96)] == [True] * 4
+    assert policy.n_explores == 0
 
 
 def test_probe_steps_are_marked_out_of_mode_and_decisions_are_booleans():
@@ -822,10 +865,8 @@ def test_a_deferred_multi_step_probe_still_runs_all_its_steps():
 
 def test_a_deferred_explore_step_measures_at_the_next_step():
     costs = CostTable({64: (30.0, 10.0), 128: (None, 14.0)})
-    policy = policy_with(1.0, costs)
-    for _ in range(8):
-        policy.decide(64)
-    assert policy.in_fallback
+    policy = policy_with(3.5, costs)
+    policy.in_fallback = True
     assert policy.decide(128) is False  # explore: the speculative cost at 128 is unknown
     policy.defer_speculation()
     assert [policy.decide(128) for _ in range(3)] == [False, True, True]

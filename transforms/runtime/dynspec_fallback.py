@@ -284,7 +284,7 @@ class AutoConfig:
     most a speculative step can give a request (``speculative_num_steps + 1``; None: no
     bound); where speculation loses even at that, no probe and no explore step speculates.
     ``probe_change``: a probe at about the load of the probes before it (within 2x, no
-    speculative stretch between) whose first step reads within this ratio of their acceptance
+    speculative stretch between) whose steps so far read within this ratio of their acceptance
     joins them in the acceptance window; one that reads further off, or at another load,
     replaces it (a 64-request probe alone has a sampling error of ~7 % on mixed traffic: 0.3
     is a change of traffic, not noise).
@@ -575,13 +575,19 @@ class GoodputPolicy:
         return est.plain_tok_s > est.spec_tok_s * ahead
 
     def _explores(self, batch_size: int, step: int) -> bool:
-        """Whether this step runs the other mode once, to measure its cost at this size."""
+        """Whether this step runs the other mode once, to measure its cost at this size: only
+        where no measured size decides it (``CostTable.deciding_size`` at today's acceptance).
+        In fallback an explore step is a speculative step (at bs 64 on an H100, 19.1 ms against
+        a plain step's 7.1), two at each padded size a level reaches (a size's first time is
+        dropped)."""
         other_is_spec = self.in_fallback
         padded = padded_batch_size(batch_size, self.graph_sizes)
         if self.snapshot.table.step_ms(other_is_spec, padded) is not None:
             return False
         if other_is_spec and self._speculation_cannot_win(padded):
             return False
+        if self.estimates(batch_size) is not None:
+            return False  # decided by a bound: its cost is measured once the bound no longer is
         key = (other_is_spec, padded)
         last = self._last_explore.get(key)
         if last is not None and step - last < self.config.explore_gap:
@@ -702,9 +708,9 @@ class Measurements:
     growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is the
     mean tokens per request over the newest verify steps holding ``acceptance_requests``
     requests (one step of a large batch, many steps of a small one, so a single step of one
-    request does not decide it), kept while in fallback, where probes re-measure it: the first
-    step of a probe clears what the speculative stretch left, or a probe at another load, or one
-    that reads more than ``probe_change`` off; a probe that agrees with the probes before it at
+    request does not decide it), kept while in fallback, where probes re-measure it: a probe
+    replaces what the speculative stretch left, or a probe at another load, or one whose steps
+    so far read more than ``probe_change`` off; a probe that agrees with the probes before it at
     about their load joins them, so the window spans several probes.
 
     A probe overstates what speculating would give when requests differ in acceptance:
@@ -727,6 +733,10 @@ class Measurements:
         self._verified: collections.deque[tuple[float, int]] = collections.deque()
         self._raw: float | None = None  # tokens per request over the window, uncorrected
         self._in_probe = False
+        # The probe under way: its steps, and the window of the probes before it that it may
+        # join (empty: it stands alone).
+        self._probe_steps: list[tuple[float, int]] = []
+        self._before_probe: list[tuple[float, int]] = []
         self._from_probe = False  # the window holds a probe's steps (no stretch since)
         self._in_stretch = False
         self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
@@ -781,19 +791,36 @@ class Measurements:
             self._from_probe = False
         self._padded = padded
         if tokens_per_request > 0 and requests > 0:
-            if starts_probe:
-                pooled = self._raw if self._from_probe and _same_load(padded, read_at) else None
-                change = self.config.probe_change
-                if pooled is None or abs(tokens_per_request / pooled - 1.0) > change:
-                    self._verified.clear()
-                self._from_probe = True
-            self._verified.append((tokens_per_request * requests, requests))
+            entry = (tokens_per_request * requests, requests)
+            if probe:
+                if starts_probe:
+                    poolable = self._from_probe and _same_load(padded, read_at)
+                    self._before_probe = list(self._verified) if poolable else []
+                    self._probe_steps = []
+                    self._from_probe = True
+                self._probe_steps.append(entry)
+                self._verified = collections.deque(self._probe_window())
+            else:
+                self._verified.append(entry)
             # drop the oldest steps the newest ones do without
             held = sum(n for _, n in self._verified)
             while held - self._verified[0][1] >= self.config.acceptance_requests:
                 held -= self._verified.popleft()[1]
             self._raw = sum(t for t, _ in self._verified) / held
         self._publish()
+
+    def _probe_window(self) -> list[tuple[float, int]]:
+        """The probe so far, after the probes before it where its mean so far agrees with
+        theirs (within ``probe_change``): judged on every step it has verified, not its first
+        alone (at bs 1 a step is one request's one verify: 1 token or 4 at 50 % acceptance)."""
+        steps = self._probe_steps
+        if self._before_probe:
+            mean = sum(t for t, _ in steps) / sum(n for _, n in steps)
+            before = self._before_probe
+            pooled = sum(t for t, _ in before) / sum(n for _, n in before)
+            if abs(mean / pooled - 1.0) <= self.config.probe_change:
+                return before + steps
+        return list(steps)
 
     def _end_stretch(self) -> None:
         if not self._in_stretch:
