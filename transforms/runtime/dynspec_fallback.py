@@ -507,7 +507,7 @@ class GoodputPolicy:
         if self._probe_left > 0 and self.in_fallback:  # the probe under way goes on
             self._probe_left -= 1
             run_fallback = False
-        elif self._explores(batch_size, step):
+        elif self._explores(padded, estimates, step):
             run_fallback = not self.in_fallback
             self.n_explores += 1
         else:
@@ -574,19 +574,18 @@ class GoodputPolicy:
             )
         return est.plain_tok_s > est.spec_tok_s * ahead
 
-    def _explores(self, batch_size: int, step: int) -> bool:
+    def _explores(self, padded: int, estimates: Estimates | None, step: int) -> bool:
         """Whether this step runs the other mode once, to measure its cost at this size: only
         where no measured size decides it (``CostTable.deciding_size`` at today's acceptance).
         In fallback an explore step is a speculative step (at bs 64 on an H100, 19.1 ms against
         a plain step's 7.1), two at each padded size a level reaches (a size's first time is
-        dropped)."""
+        dropped). ``estimates``: this step's, from ``decide``."""
         other_is_spec = self.in_fallback
-        padded = padded_batch_size(batch_size, self.graph_sizes)
         if self.snapshot.table.step_ms(other_is_spec, padded) is not None:
             return False
         if other_is_spec and self._speculation_cannot_win(padded):
             return False
-        if self.estimates(batch_size) is not None:
+        if estimates is not None:
             return False  # decided by a bound: its cost is measured once the bound no longer is
         key = (other_is_spec, padded)
         last = self._last_explore.get(key)
