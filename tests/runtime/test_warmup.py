@@ -286,21 +286,18 @@ def test_the_draft_kv_write_captures_come_before_the_sizes_already_compiled(
 
 
 def slot_assignment_module(monkeypatch: Any, name: str) -> list[tuple[Any, ...]]:
-    """A stand-in SGLang module ``name`` whose ``assign_req_to_token_pool_func`` does what the
-    kernel does (0.5.16+'s own CPU path): row i's slots start..end of its request-pool row take
-    the next end - start entries of out_cache_loc. It records each call's arguments."""
-    import torch
+    """A stand-in SGLang module ``name`` whose ``assign_req_to_token_pool_func`` runs the slow
+    tier's CPU reference of the kernel (row i's slots start..end of its request-pool row take
+    the next end - start entries of out_cache_loc). It records each call's arguments."""
+    from tests.slow.harness.ref_kernels import assign_req_to_token_pool
 
     calls: list[tuple[Any, ...]] = []
 
     def assign(req_pool_indices, req_to_token, start, end, out_cache_loc, batch_size):
         calls.append((req_pool_indices, req_to_token, start, end, out_cache_loc, batch_size))
-        taken = 0
-        for i in range(batch_size):
-            lo, hi = int(start[i]), int(end[i])
-            row = int(req_pool_indices[i])
-            req_to_token[row, lo:hi] = out_cache_loc[taken : taken + hi - lo].to(torch.int32)
-            taken += hi - lo
+        assign_req_to_token_pool[(batch_size,)](
+            req_pool_indices, req_to_token, start, end, out_cache_loc
+        )
 
     module = types.ModuleType(name)
     module.assign_req_to_token_pool_func = assign
