@@ -181,6 +181,8 @@ class Simulation:
                     ms *= 1.0 + DRAFT_PREFILL_SHARE
                 now_ms += ms
                 spent["prefill"] += ms
+                if server.controller is not None:
+                    server.controller.note_prefill(len(waiting))
                 running += waiting
                 waiting = []
                 continue

@@ -453,11 +453,13 @@ def test_probes_notice_that_acceptance_rose_while_in_fallback():
 WINDOW_64 = AutoConfig(acceptance_requests=64)  # acceptance over the newest 64 requests
 
 
-def verified(measurements: Measurements, steps, *, probe=False, first_step=0):
-    """Feed ``measurements`` resolved speculative steps: ``(requests, tokens per request)``."""
+def verified(measurements: Measurements, steps, *, probe=False, first_step=0, started=None):
+    """Feed ``measurements`` resolved speculative steps: ``(requests, tokens per request)``;
+    ``started``: the requests begun by each step (default: each step's requests are new)."""
     for i, (requests, tokens) in enumerate(steps):
+        begun = (first_step + i) * 1000 if started is None else started[i]
         measurements.add(_Measured(first_step + i, True, requests, requests, 5.0,
-                                   constant(tokens), in_fallback=probe))
+                                   constant(tokens), in_fallback=probe, started=begun))
     measurements.resolve(first_step + len(steps))
 
 
@@ -484,6 +486,46 @@ def test_by_default_acceptance_is_the_mean_of_the_newest_256_requests():
     assert measurements.tokens_per_step == pytest.approx(3.0)
     verified(measurements, [(64, 1.0)] * 4, first_step=428)  # four steps of 64: all of it
     assert measurements.tokens_per_step == pytest.approx(1.0)
+
+
+def test_one_request_at_a_time_the_window_holds_16_different_requests():
+    """At bs 1 the 256 newest requests are two or three requests; on mixed traffic each has
+    its own acceptance, so the window also holds the 16 newest requests."""
+    acceptance = {j: 1.0 + j / 10 for j in range(1, 21)}  # request j: 50 steps of its own
+    steps = [(1, acceptance[j]) for j in range(1, 21) for _ in range(50)]
+    begun = [j for j in range(1, 21) for _ in range(50)]
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, steps, started=begun)
+    # requests 6..20 and the last step of request 5: 16 different requests
+    newest_16 = (acceptance[5] + sum(50 * acceptance[j] for j in range(6, 21))) / 751
+    assert measurements.tokens_per_step == pytest.approx(newest_16)
+    requests_alone = Measurements(AutoConfig(acceptance_distinct=1), StepCosts())
+    verified(requests_alone, steps, started=begun)
+    newest_256 = (6 * acceptance[15] + sum(50 * acceptance[j] for j in range(16, 21))) / 256
+    assert requests_alone.tokens_per_step == pytest.approx(newest_256)
+
+
+def test_long_requests_keep_the_window_to_1024_steps():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    four_requests = [4] * 3000  # the same 4 requests all along: 4 different ones
+    verified(measurements, [(4, 2.0)] * 2000 + [(4, 3.0)] * 1000, started=four_requests)
+    assert measurements.tokens_per_step == pytest.approx((24 * 2.0 + 1000 * 3.0) / 1024)
+
+
+def test_a_controller_stamps_each_step_with_the_requests_prefilled_by_then():
+    clock = StepCosts()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
+    controller.note_prefill(3)
+    controller.decide(3)
+    controller.finish_step(controller.start_step(), True, 3, constant(2.0))
+    controller.note_prefill(2)
+    controller.decide(5)
+    controller.finish_step(controller.start_step(), True, 5, constant(2.0))
+    assert [m.started for m in controller.measurements._pending] == [3, 5]
+    other_rank = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=False,
+                                share=lambda mine: Snapshot())
+    other_rank.note_prefill(3)
+    assert other_rank.n_started == 0  # only the source rank measures
 
 
 def test_a_probe_replaces_what_the_speculative_stretch_left():

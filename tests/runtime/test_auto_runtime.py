@@ -87,6 +87,8 @@ def tokens_of(result):
 
 @pytest.mark.parametrize(("variant", "version"), CASES)
 def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, version):
+    from tests.runtime.standins import new_prefill_batch
+
     w = world(variant, version, speculative_disable_batch_threshold="auto",
               speculative_num_steps=3)
     adapter = dyn._adapter_for(w.worker, variant)
@@ -103,6 +105,8 @@ def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, 
     modes, spec_steps, fallback_steps = [], 0, 0
     for step in range(2200):
         spec.tokens_per_request = 1.0 if 100 <= step < 400 else 3.0
+        if step % 16 == 0:  # 4 new requests every 16 steps, prefilled through the hook
+            assert hook(variant)(w.worker, new_prefill_batch([5] * BS)) is None
         w.batch = w._make_batch(BS, 10, 100)
         calls_before = len(spec.calls)
         forwards_before = w.recorder.names().count("target_forward")
@@ -122,13 +126,15 @@ def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, 
 
     assert not any(modes[:100])
     into_fallback = modes.index(True)
-    # the drop is seen once half the acceptance window (256 requests: 64 steps of 4) holds it,
-    # at the next sync (every 16 steps, reading steps 2 old), then 8 wins
+    # the drop is seen once half the acceptance window (256 requests: 64 steps of 4, which
+    # hold 20 different requests) holds it, at the next sync (every 16 steps, reading steps 2
+    # old), then 8 wins
     assert 100 < into_fallback <= 100 + 32 + 16 + 2 + 8
     back = modes.index(False, into_fallback)
     assert 400 < back <= 400 + 1024 + 16 + 8  # a probe re-measures the rise
     assert not any(modes[back:])
     assert adapter.controller.policy.n_switches == 2
+    assert adapter.controller.n_started == BS * len(range(0, 2200, 16))  # prefilled requests
     policy = adapter.controller.policy
     assert (policy.n_spec_steps, policy.n_fallback_steps) == (spec_steps, fallback_steps)
 

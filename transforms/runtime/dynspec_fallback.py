@@ -91,7 +91,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -275,14 +275,20 @@ class AutoConfig:
     step of it every this many steps. ``sync_every``: rank 0's measurements become every
     rank's decision inputs at the decode steps that are multiples of this; ``lag_steps``: only
     steps at least this old are read then (their GPU work is done, so reading their events
-    waits for nothing). ``acceptance_requests``: the acceptance is the mean over the newest
-    verify steps that together hold at least this many requests. ``composition_bounds`` /
-    ``composition_min_batch``: a probe's acceptance counts times the ratio of what the last
-    speculative stretch a probe began ended at to that probe (``Measurements``), kept within
-    these bounds, learned only from stretches that end with at least this many requests (one
-    request's acceptance is its own, not a batch's composition). ``max_tokens_per_step``: the
-    most a speculative step can give a request (``speculative_num_steps + 1``; None: no
-    bound); where speculation loses even at that, no probe and no explore step speculates.
+    waits for nothing). ``acceptance_requests`` / ``acceptance_distinct``: the acceptance is
+    the mean over the newest verify steps that together hold at least ``acceptance_requests``
+    requests (a request counted once per step) and at least ``acceptance_distinct`` different
+    requests (the oldest step's batch and every request that began decoding since), unless
+    that takes more than ``acceptance_steps_max`` steps: at bs 1 the first bound alone is two
+    or three requests, and on mixed traffic each has its own acceptance, so each speculative
+    stretch would read the request it is on; a few long requests keep the window in steps.
+    ``composition_bounds`` / ``composition_min_batch``: a probe's acceptance counts times the
+    ratio of what the last speculative stretch a probe began ended at to that probe
+    (``Measurements``), kept within these bounds, learned only from stretches that end with
+    at least this many requests (one request's acceptance is its own, not a batch's
+    composition). ``max_tokens_per_step``: the most a speculative step can give a request
+    (``speculative_num_steps + 1``; None: no bound); where speculation loses even at that, no
+    probe and no explore step speculates.
     ``probe_change``: a probe at about the load of the probes before it (within 2x, no
     speculative stretch between) whose steps so far read within this ratio of their acceptance
     joins them in the acceptance window; one that reads further off, or at another load,
@@ -303,6 +309,8 @@ class AutoConfig:
     sync_every: int = 16
     lag_steps: int = 2
     acceptance_requests: int = 256
+    acceptance_distinct: int = 16
+    acceptance_steps_max: int = 1024
     cost_window: int = 16
     composition_bounds: tuple[float, float] = (0.5, 1.0)
     composition_min_batch: int = 8
@@ -698,6 +706,16 @@ class _Measured:
     # Whether the policy was in fallback when the step ran: a speculative step then is a
     # probe (it re-measures acceptance outright); any step then ends a speculative stretch.
     in_fallback: bool = False
+    # Requests that had begun decoding by this step (prefilled), counted from the start.
+    started: int = 0
+
+
+class _Verified(NamedTuple):
+    """One verify step in the acceptance window."""
+
+    tokens: float  # tokens over all its requests (1 + accepted drafts each)
+    requests: int
+    started: int  # ``_Measured.started``
 
 
 class Measurements:
@@ -706,8 +724,9 @@ class Measurements:
     The first time of each (mode, size) is dropped (it pays one-off compiles and allocator
     growth); a size's cost is the median of its last ``cost_window`` times. Acceptance is the
     mean tokens per request over the newest verify steps holding ``acceptance_requests``
-    requests (one step of a large batch, many steps of a small one, so a single step of one
-    request does not decide it), kept while in fallback, where probes re-measure it: a probe
+    requests and ``acceptance_distinct`` different ones (one step of a large batch, many
+    steps of a small one, so a single step or a single request does not decide it), kept while
+    in fallback, where probes re-measure it: a probe
     replaces what the speculative stretch left, or a probe at another load, or one whose steps
     so far read more than ``probe_change`` off; a probe that agrees with the probes before it at
     about their load joins them, so the window spans several probes.
@@ -729,13 +748,13 @@ class Measurements:
         self.clock = clock
         self.tokens_per_step: float | None = None
         # (tokens, requests) of the newest verify steps, newest last, and their mean
-        self._verified: collections.deque[tuple[float, int]] = collections.deque()
+        self._verified: collections.deque[_Verified] = collections.deque()
         self._raw: float | None = None  # tokens per request over the window, uncorrected
         self._in_probe = False
         # The probe under way: its steps, and the window of the probes before it that it may
         # join (empty: it stands alone).
-        self._probe_steps: list[tuple[float, int]] = []
-        self._before_probe: list[tuple[float, int]] = []
+        self._probe_steps: list[_Verified] = []
+        self._before_probe: list[_Verified] = []
         self._from_probe = False  # the window holds a probe's steps (no stretch since)
         self._in_stretch = False
         self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
@@ -770,6 +789,7 @@ class Measurements:
                     measured.requests,
                     measured.padded,
                     measured.in_fallback,
+                    measured.started,
                 )
             elif measured.in_fallback:
                 self._in_probe = False  # a fallback step ends a probe
@@ -777,7 +797,7 @@ class Measurements:
         self._pending = keep
 
     def _add_acceptance(
-        self, tokens_per_request: float, requests: int, padded: int, probe: bool
+        self, tokens_per_request: float, requests: int, padded: int, probe: bool, started: int
     ) -> None:
         starts_probe = probe and not self._in_probe
         read_at = self._padded
@@ -790,7 +810,7 @@ class Measurements:
             self._from_probe = False
         self._padded = padded
         if tokens_per_request > 0 and requests > 0:
-            entry = (tokens_per_request * requests, requests)
+            entry = _Verified(tokens_per_request * requests, requests, started)
             if probe:
                 if starts_probe:
                     poolable = self._from_probe and _same_load(padded, read_at)
@@ -801,22 +821,37 @@ class Measurements:
                 self._verified = collections.deque(self._probe_window())
             else:
                 self._verified.append(entry)
-            # drop the oldest steps the newest ones do without
-            held = sum(n for _, n in self._verified)
-            while held - self._verified[0][1] >= self.config.acceptance_requests:
-                held -= self._verified.popleft()[1]
-            self._raw = sum(t for t, _ in self._verified) / held
+            self._trim_window()
+            held = sum(v.requests for v in self._verified)
+            self._raw = sum(v.tokens for v in self._verified) / held
         self._publish()
 
-    def _probe_window(self) -> list[tuple[float, int]]:
+    def _trim_window(self) -> None:
+        """Drop the oldest verify steps the newer ones do without: while the rest still hold
+        ``acceptance_requests`` requests and ``acceptance_distinct`` different ones (or more
+        than ``acceptance_steps_max`` steps)."""
+        window, config = self._verified, self.config
+        held = sum(v.requests for v in window)
+        while len(window) > 1:
+            rest = held - window[0].requests
+            distinct = window[1].requests + window[-1].started - window[1].started
+            enough = distinct >= config.acceptance_distinct or (
+                len(window) > config.acceptance_steps_max
+            )
+            if rest < config.acceptance_requests or not enough:
+                return
+            held = rest
+            window.popleft()
+
+    def _probe_window(self) -> list[_Verified]:
         """The probe so far, after the probes before it where its mean so far agrees with
         theirs (within ``probe_change``): judged on every step it has verified, not its first
         alone (at bs 1 a step is one request's one verify: 1 token or 4 at 50 % acceptance)."""
         steps = self._probe_steps
         if self._before_probe:
-            mean = sum(t for t, _ in steps) / sum(n for _, n in steps)
+            mean = sum(v.tokens for v in steps) / sum(v.requests for v in steps)
             before = self._before_probe
-            pooled = sum(t for t, _ in before) / sum(n for _, n in before)
+            pooled = sum(v.tokens for v in before) / sum(v.requests for v in before)
             if abs(mean / pooled - 1.0) <= self.config.probe_change:
                 return before + steps
         return list(steps)
@@ -826,7 +861,7 @@ class Measurements:
             return
         self._in_stretch = False
         big_enough = bool(self._verified) and (
-            self._verified[-1][1] >= self.config.composition_min_batch
+            self._verified[-1].requests >= self.config.composition_min_batch
         )
         if self._stretch_entry and self._raw and big_enough:
             low, high = self.config.composition_bounds
@@ -897,6 +932,7 @@ class AutoController:
         self.measurements = Measurements(policy.config, clock or HostClock())
         self.metrics = metrics
         self.n_syncs = 0
+        self.n_started = 0  # requests prefilled so far (source rank only)
 
     @property
     def in_fallback(self) -> bool:
@@ -920,6 +956,12 @@ class AutoController:
         self.n_syncs += 1
         if self.metrics is not None:
             self.metrics.update(self.policy)
+
+    def note_prefill(self, requests: int) -> None:
+        """Count the requests of a prefill batch: they begin decoding next (a chunked
+        prompt counts at each chunk, which only shortens the acceptance window)."""
+        if self.source:
+            self.n_started += requests
 
     def start_step(self) -> Any:
         """Mark the start of the step just decided (source rank only; no sync)."""
@@ -945,6 +987,7 @@ class AutoController:
                 timing=clock.stop(started),
                 tokens_per_request=tokens_per_request if speculative else None,
                 in_fallback=self.policy.in_fallback,
+                started=self.n_started,
             )
         )
 
@@ -3424,6 +3467,13 @@ def _is_pure_decode(batch: Any) -> bool:
     return bool(mode.is_decode()) and not getattr(batch, "is_extend_in_batch", False)
 
 
+def _note_prefill(adapter: Adapter, batch: Any) -> None:
+    """Under ``auto``, count a prefill batch's requests (its acceptance window's bound)."""
+    controller = adapter.controller
+    if isinstance(controller, AutoController) and batch.forward_mode.is_extend():
+        controller.note_prefill(len(batch.seq_lens))
+
+
 def _decide(adapter: Adapter, batch: Any) -> bool:
     bs = effective_batch_size(len(batch.seq_lens), getattr(batch, "global_num_tokens", None))
     return adapter.controller.decide(bs)
@@ -3543,6 +3593,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     if adapter is None or adapter.reentered:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
+        _note_prefill(adapter, batch)
         if _prefill_stores_draft_kv_only(adapter, batch):
             return _prefill_with_draft_kv_write(worker, adapter, batch, {})
         return None
@@ -4013,6 +4064,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
         settle_draft_kv(adapter, worker)  # a prefill: its draft pass stores into fresh slots
+        _note_prefill(adapter, batch)
         if _prefill_stores_draft_kv_only(adapter, batch):
             return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
         return None
