@@ -604,19 +604,36 @@ def test_a_stretch_not_begun_by_a_probe_teaches_no_composition():
     assert measurements.composition == 1.0
 
 
-def test_the_composition_counts_only_at_about_the_load_it_was_learned_at():
+def test_the_composition_counts_on_batches_of_8_or_more_and_at_the_load_it_was_learned_at():
+    """It is the traffic's (how its requests' acceptances differ), not the load's: a mixed
+    load of 16 that rises to 32 keeps it; one that turns into a few requests does not (their
+    own acceptance is what a probe reads), except at about the load it was learned at."""
     measurements = Measurements(WINDOW_64, StepCosts())
     verified(measurements, [(32, 2.1)] * 2, probe=True)
     verified(measurements, [(32, 1.6)] * 4, first_step=2)
     fallback_step(measurements, 6)
     assert measurements.composition == pytest.approx(1.6 / 2.1)
     for step, (requests, counted) in enumerate(
-        ((1, 1.0), (48, 1.6 / 2.1), (16, 1.0), (128, 1.0), (20, 1.6 / 2.1)), start=7
+        ((1, 1.0), (48, 1.6 / 2.1), (16, 1.6 / 2.1), (128, 1.6 / 2.1), (4, 1.0), (7, 1.0),
+         (20, 1.6 / 2.1)), start=7
     ):
         first = 7 + 10 * (step - 7)
         verified(measurements, [(requests, 2.1)] * 8, probe=True, first_step=first)
         assert measurements.tokens_per_step == pytest.approx(2.1 * counted), requests
         fallback_step(measurements, first + 8, requests)
+
+
+def test_fewer_than_8_requests_count_the_composition_learned_at_about_their_load():
+    measurements = Measurements(WINDOW_64, StepCosts())
+    verified(measurements, [(8, 2.0)] * 8, probe=True)
+    verified(measurements, [(8, 1.5)] * 8, first_step=8)
+    fallback_step(measurements, 16, requests=8)
+    assert measurements.composition == pytest.approx(0.75)
+    verified(measurements, [(5, 2.0)] * 8, probe=True, first_step=17)
+    assert measurements.tokens_per_step == pytest.approx(1.5)
+    fallback_step(measurements, 25, requests=5)
+    verified(measurements, [(3, 2.0)] * 8, probe=True, first_step=26)
+    assert measurements.tokens_per_step == pytest.approx(2.0)
 
 
 def test_probes_that_agree_at_one_load_pool_and_others_replace():

@@ -872,7 +872,12 @@ class Measurements:
     def _publish(self) -> None:
         if self._raw is None:
             return
-        applies = self._from_probe and _same_load(self._padded, self._composition_load)
+        many = bool(self._verified) and (
+            self._verified[-1].requests >= self.config.composition_min_batch
+        )
+        applies = self._from_probe and (
+            many or _same_load(self._padded, self._composition_load)
+        )
         self.tokens_per_step = self._raw * self.composition if applies else self._raw
 
     def snapshot(self) -> Snapshot:
