@@ -738,9 +738,11 @@ class Measurements:
     reads the plain mean, 2.1 tokens per step, a speculative stretch settles at the harmonic
     mean, 1.6). So each speculative stretch entered from a probe records how its acceptance
     ended against the probe that started it, ``composition`` (1 where they agree), and a
-    probe's acceptance counts times that until the next stretch measures it again, at about
-    the load it was learned at (within 2x): at another load the batch is another mix (a
-    mixed load of 128 that turns into one request must speculate again at once).
+    probe's acceptance counts times that until the next stretch measures it again: on a probe
+    of ``composition_min_batch`` requests or more at any load (the ratio is the traffic's),
+    on fewer only at about the load it was learned at (within 2x; a few requests' acceptance
+    is their own: a mixed load of 128 that turns into one request must speculate again at
+    once).
     """
 
     def __init__(self, config: AutoConfig, clock: Any) -> None:
