@@ -313,7 +313,8 @@ def test_sglangs_slot_assignment_compiles_at_every_power_of_two_and_assigns_noth
 ):
     """Its Triton kernel's block constant is the batch size's next power of two (a compile at
     the first batch of each after a fresh start): each power up to the largest batch, for
-    int32 offsets (v2's allocation) and int64 (v1's seq_lens), every row's range empty."""
+    int32 offsets (v2's allocation) and int64 (v1's seq_lens), with the slots 16-byte aligned
+    and 8 bytes off (a view into the allocator's free list), every row's range empty."""
     import torch
 
     calls = slot_assignment_module(monkeypatch, module)
@@ -323,8 +324,11 @@ def test_sglangs_slot_assignment_compiles_at_every_power_of_two_and_assigns_noth
         assert step(world, "v2") is not None
     # graphs up to 64, max_running_requests 48: the largest batch is 64
     powers = [1, 2, 4, 8, 16, 32, 64]
-    assert [(c[5], c[2].dtype) for c in calls] == [
-        (bs, dtype) for dtype in (torch.int32, torch.int64) for bs in powers
+    assert [(c[5], c[2].dtype, c[4].data_ptr() % 16) for c in calls] == [
+        (bs, dtype, misaligned)
+        for misaligned in (0, 8)
+        for dtype in (torch.int32, torch.int64)
+        for bs in powers
     ]
     for rows, req_to_token, start, end, out_cache_loc, bs in calls:
         assert req_to_token is world.worker.req_to_token_pool.req_to_token
@@ -333,7 +337,7 @@ def test_sglangs_slot_assignment_compiles_at_every_power_of_two_and_assigns_noth
         assert out_cache_loc.dtype == torch.int64 and len(out_cache_loc) == bs
     assert torch.equal(world.req_to_token, before)  # nothing assigned
     (line,) = warmup_lines(caplog)
-    assert f"slot assignment {2 * len(powers)}) in " in line.getMessage()
+    assert f"slot assignment {4 * len(powers)}) in " in line.getMessage()
 
 
 def test_v1_warms_up_the_slot_assignment_too(forward_batch_info, monkeypatch, caplog):
@@ -345,9 +349,9 @@ def test_v1_warms_up_the_slot_assignment_too(forward_batch_info, monkeypatch, ca
     )
     with caplog.at_level(logging.INFO, logger=dyn.__name__):
         assert step(world, "v1") is not None
-    assert len(calls) == 14 and all(c[1] is world.req_to_token for c in calls)
+    assert len(calls) == 28 and all(c[1] is world.req_to_token for c in calls)
     (line,) = warmup_lines(caplog)
-    assert "24/24 ok (clamp_position 1, DECODE 9, slot assignment 14)" in line.getMessage()
+    assert "38/38 ok (clamp_position 1, DECODE 9, slot assignment 28)" in line.getMessage()
 
 
 def test_without_a_request_pool_to_hand_it_the_rest_warms_up(

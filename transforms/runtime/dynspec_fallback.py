@@ -3165,8 +3165,13 @@ def _slot_assignment_warmups(
     H100's first server, 2026-12-05: three of its four levels compiled it, and the one that
     compiled it and SGLang's prefill kernel gave 0.934 of plain decoding, the others
     0.980-0.995). Its offsets are int32 (v2's decode allocation) or int64 (v1's verify and
-    extend, the seq_lens); both are compiled. Each call assigns nothing: every row's range is
-    empty (start == end), so the kernel reads the offsets and stores no slot.
+    extend, the seq_lens); both are compiled. Triton also compiles a variant per pointer
+    alignment (16 bytes or not), and the slots come from SGLang's allocator as a view into its
+    free list that moves on by whole int64 entries, so half its allocations are 8 bytes off:
+    both are compiled (0.5.17, a fresh H100's first server with the aligned variants warmed up,
+    2026-12-06: its second c = 64 level compiled the kernel again). Each call assigns nothing:
+    every row's range is empty (start == end), so the kernel reads the offsets and stores no
+    slot.
     """
     import torch
 
@@ -3186,14 +3191,16 @@ def _slot_assignment_warmups(
     max_running = getattr(worker.server_args, "max_running_requests", None)
     largest = max([1, *sizes, int(max_running or 1)])
 
-    def assign_nothing(bs: int, dtype: Any) -> None:
+    def assign_nothing(bs: int, dtype: Any, slots_offset: int) -> None:
         rows = torch.zeros(bs, dtype=torch.int64, device=device)  # request-pool row 0
         empty = torch.zeros(bs, dtype=dtype, device=device)  # start == end: no slot stored
-        assign(rows, req_to_token, empty, empty, rows, bs)
+        free_list = torch.zeros(bs + slots_offset, dtype=torch.int64, device=device)
+        assign(rows, req_to_token, empty, empty, free_list[slots_offset:], bs)
 
     powers = [1 << k for k in range((largest - 1).bit_length() + 1)]
     return [
-        ("slot assignment", functools.partial(assign_nothing, bs, dtype))
+        ("slot assignment", functools.partial(assign_nothing, bs, dtype, slots_offset))
+        for slots_offset in (0, 1)  # 16-byte aligned, 8 bytes off
         for dtype in (torch.int32, torch.int64)
         for bs in powers
     ]
