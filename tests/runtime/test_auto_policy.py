@@ -87,16 +87,17 @@ def test_it_speculates_while_any_input_is_unknown():
 
 def test_a_snapshot_crosses_the_wire_unchanged_unknowns_included():
     """What rank 0 broadcasts is what every rank adopts: floats only, NaN for an unknown."""
-    snapshot = Snapshot(2.5, CostTable({16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}), 64)
+    entries = {16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}
+    snapshot = Snapshot(2.5, CostTable(entries), 64, 320)
     wire = snapshot.to_wire()
     assert all(isinstance(x, float) for x in wire)
-    # tokens, their load, then the sizes in order
-    assert wire[:5] == [2.5, 64.0, 1.0, 11.0, wire[4]] and math.isnan(wire[4])
+    # tokens, their load, their requests, then the sizes in order
+    assert wire[:6] == [2.5, 64.0, 320.0, 1.0, 11.0, wire[5]] and math.isnan(wire[5])
     assert Snapshot.from_wire(wire) == snapshot
     cold = Snapshot()  # nothing measured yet
-    tokens, load = cold.to_wire()
-    assert math.isnan(tokens) and load == 0.0
-    assert Snapshot.from_wire([tokens, load]) == cold
+    tokens, load, requests = cold.to_wire()
+    assert math.isnan(tokens) and load == requests == 0.0
+    assert Snapshot.from_wire([tokens, load, requests]) == cold
 
 
 def test_in_fallback_only_an_acceptance_read_at_about_this_load_switches_back():
@@ -281,7 +282,8 @@ def swinging(policy: GoodputPolicy, steps: int, bs: int = 32, stretch: int = 600
     switched_at = []
     for step in range(steps):
         if step % stretch == 0:
-            policy.adopt(Snapshot(2.0 if step // stretch % 2 == 0 else 3.0, table()))
+            tokens = 2.0 if step // stretch % 2 == 0 else 3.0
+            policy.adopt(Snapshot(tokens, table(), tokens_requests=256))  # 4 probes' worth
         before = policy.n_switches
         policy.decide(bs)
         if policy.n_switches > before:
@@ -310,6 +312,42 @@ def test_the_flap_back_off_stops_at_1024x_the_dwell_steps():
     assert [step % 3000 for step in switched_at] == [0, 0, 3, 15, 63, 255, 1023, 1023, 1023, 1023]
 
 
+def test_after_flapping_at_a_load_4_probes_worth_switch_back_there():
+    """One probe of 16 requests reads the fallback batch's mix of the moment; where
+    speculation was left after switching back and forth, switching back needs 4 probes'
+    requests (at most 256; probes that agree pool). The first time, one probe's requests do."""
+    confirm = AutoConfig().confirm_steps
+    for bs, needed in ((32, 256), (16, 256), (4, 128), (1, 32)):
+        policy = policy_with(1.0)
+        modes_through(policy, [bs] * confirm)  # plain wins: into fallback at bs
+        policy.adopt(Snapshot(4.0, table(), bs, 1))  # the first time: any probe
+        assert modes_through(policy, [bs] * confirm)[-1] is False, bs
+        policy.adopt(Snapshot(1.0, table(), bs, 256))
+        assert modes_through(policy, [bs] * 4 * confirm)[-1] is True, bs  # a flap: 4x
+        assert policy._recent_flaps() == 2
+        policy.adopt(Snapshot(4.0, table(), bs, needed - 1))  # speculation ahead
+        assert all(modes_through(policy, [bs] * 200)), bs
+        policy.adopt(Snapshot(4.0, table(), bs, needed))
+        assert modes_through(policy, [bs] * 16 * confirm)[-1] is False, bs
+    # at another load (2x off) one probe's requests switch back
+    policy = policy_with(1.0)
+    modes_through(policy, [32] * confirm)
+    policy.adopt(Snapshot(4.0, table(), 32, 256))
+    modes_through(policy, [32] * confirm)
+    policy.adopt(Snapshot(1.0, table(), 32, 256))
+    assert modes_through(policy, [32] * 4 * confirm)[-1] is True
+    policy.adopt(Snapshot(4.0, table(), 8, 64))
+    assert modes_through(policy, [8] * confirm)[-1] is False
+
+
+def test_a_snapshot_says_how_many_requests_its_acceptance_holds():
+    measurements = Measurements(WINDOW_64, StepCosts())
+    verified(measurements, [(16, 2.0)] * 3, probe=True)
+    assert measurements.snapshot().tokens_requests == 48
+    verified(measurements, [(16, 2.0)] * 3, probe=True, first_step=3)  # 64 newest: 4 steps
+    assert measurements.snapshot().tokens_requests == 64
+
+
 def test_the_same_load_is_within_2x_either_way():
     assert _same_load(32, 32) and _same_load(33, 17) and _same_load(17, 33)
     assert not _same_load(64, 32) and not _same_load(32, 64)
@@ -321,7 +359,7 @@ def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_ste
     policy = policy_with(2.0)
     assert len(swinging(policy, 6000)) >= 5
     for bs, fallback in ((4, False), (64, True), (4, False)):  # 8x, 16x, 16x the load
-        policy.adopt(Snapshot(2.0, table()))
+        policy.adopt(Snapshot(2.0, table(), tokens_requests=256))
         if policy.in_fallback == fallback:  # already there: move the other way first
             continue
         modes = modes_through(policy, [bs] * 100)
@@ -759,11 +797,11 @@ def test_in_fallback_speculation_must_win_by_the_margin_too():
     for _ in range(8):
         policy.decide(64)
     assert policy.in_fallback
-    policy.adopt(Snapshot(even * 1.01, table()))  # 1 % ahead: not enough
+    policy.adopt(Snapshot(even * 1.01, table(), tokens_requests=256))  # 1 % ahead: not enough
     for _ in range(100):
         policy.decide(64)
     assert policy.in_fallback
-    policy.adopt(Snapshot(even * 1.03, table()))
+    policy.adopt(Snapshot(even * 1.03, table(), tokens_requests=256))
     for _ in range(8):
         policy.decide(64)
     assert not policy.in_fallback

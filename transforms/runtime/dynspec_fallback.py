@@ -262,7 +262,9 @@ class AutoConfig:
     ``flap_max``: a switch back within ``flap_window`` steps of the last switch, at a padded
     batch size within 2x of that switch's, needs ``confirm_steps * flap_factor ** flaps``
     wins, ``flaps`` counting such switches in a row (at most ``flap_max``), less one for
-    every ``flap_window`` steps since the last switch. ``probe_gap`` /
+    every ``flap_window`` steps since the last switch; there, after a flap, fallback switches
+    back only on an acceptance of ``flap_factor`` probes' requests (``acceptance_requests`` at
+    most), not one probe's. ``probe_gap`` /
     ``probe_gap_max``: in fallback, a speculative probe after this many fallback steps, the
     gap doubling after each probe (up to the cap) until speculation is back, and back to
     ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
@@ -369,19 +371,21 @@ class Snapshot:
 
     ``tokens_per_step``: expected tokens per speculative step per request (1 + accepted
     drafts), None before the first verify step was read; ``tokens_load``: the padded batch
-    size of the newest verify step it holds (0: none).
+    size of the newest verify step it holds (0: none); ``tokens_requests``: the requests its
+    verify steps hold (a request counted once per step).
     """
 
     tokens_per_step: float | None = None
     table: CostTable = dataclasses.field(default_factory=CostTable)
     tokens_load: int = 0
+    tokens_requests: int = 0
 
     def to_wire(self) -> list[float]:
-        """Floats for a broadcast: tokens, their load, then (bs, spec ms, plain ms) rows; NaN
-        for None."""
+        """Floats for a broadcast: tokens, their load, their requests, then (bs, spec ms,
+        plain ms) rows; NaN for None."""
         nan = float("nan")
         wire = [nan if self.tokens_per_step is None else self.tokens_per_step,
-                float(self.tokens_load)]
+                float(self.tokens_load), float(self.tokens_requests)]
         for bs, (spec, plain) in sorted(self.table.entries.items()):
             wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
         return wire
@@ -391,11 +395,11 @@ class Snapshot:
         def value(x: float) -> float | None:
             return None if x != x else float(x)  # NaN: unknown
 
-        rows = wire[2:]
+        rows = wire[3:]
         entries = {
             int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
         }
-        return cls(value(wire[0]), CostTable(entries), int(wire[1]))
+        return cls(value(wire[0]), CostTable(entries), int(wire[1]), int(wire[2]))
 
 
 @dataclass(frozen=True)
@@ -577,10 +581,28 @@ class GoodputPolicy:
     def _other_mode_wins(self, est: Estimates) -> bool:
         ahead = 1.0 + self.config.margin
         if self.in_fallback:
-            return self._acceptance_is_of(est.padded) and (
-                est.spec_tok_s > est.plain_tok_s * ahead
+            return (
+                self._acceptance_is_of(est.padded)
+                and self._acceptance_is_enough(est.padded)
+                and est.spec_tok_s > est.plain_tok_s * ahead
             )
         return est.plain_tok_s > est.spec_tok_s * ahead
+
+    def _acceptance_is_enough(self, padded: int) -> bool:
+        """Whether the acceptance holds enough requests to switch back to speculation: one
+        probe's, except at about the load speculation was last left at after switching there
+        back and forth, where ``flap_factor`` probes' (at most ``acceptance_requests``; probes
+        that agree pool until they hold them, one that reads a change of traffic starts
+        afresh): a probe reads the fallback batch's mix of the moment, which at 16 requests
+        moved by a quarter from one probe to the next (an H100, 0.5.17, mixed traffic,
+        2026-12-06: five switches in a 10-s level, after which the flap rule held speculation
+        there at 8 % below plain steps)."""
+        if not (self._at_last_switch_load(padded) and self._recent_flaps() > 0):
+            return True
+        config = self.config
+        probe = min(config.probe_requests, padded * config.probe_steps_max)
+        needed = min(config.acceptance_requests, config.flap_factor * probe)
+        return self.snapshot.tokens_requests >= needed
 
     def _explores(self, padded: int, estimates: Estimates | None, step: int) -> bool:
         """Whether this step runs the other mode once, to measure its cost at this size: only
@@ -888,7 +910,8 @@ class Measurements:
             spec, plain = entries.get(padded, (None, None))
             median = float(sorted(window)[len(window) // 2])
             entries[padded] = (median, plain) if speculative else (spec, median)
-        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded)
+        held = sum(v.requests for v in self._verified)
+        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded, held)
 
 
 def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
