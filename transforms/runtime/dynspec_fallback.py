@@ -884,23 +884,23 @@ class Measurements:
         if not self._in_stretch:
             return
         self._in_stretch = False
-        big_enough = bool(self._verified) and (
-            self._verified[-1].requests >= self.config.composition_min_batch
-        )
-        if self._stretch_entry and self._raw and big_enough:
+        if self._stretch_entry and self._raw and self._newest_is_a_batch():
             low, high = self.config.composition_bounds
             self.composition = min(high, max(low, self._raw / self._stretch_entry))
             self._composition_load = self._padded
         self._publish()
 
+    def _newest_is_a_batch(self) -> bool:
+        """Whether the newest verify step held ``composition_min_batch`` requests or more: a
+        batch's composition, not a few requests' own acceptance."""
+        newest = self._verified[-1] if self._verified else None
+        return newest is not None and newest.requests >= self.config.composition_min_batch
+
     def _publish(self) -> None:
         if self._raw is None:
             return
-        many = bool(self._verified) and (
-            self._verified[-1].requests >= self.config.composition_min_batch
-        )
         applies = self._from_probe and (
-            many or _same_load(self._padded, self._composition_load)
+            self._newest_is_a_batch() or _same_load(self._padded, self._composition_load)
         )
         self.tokens_per_step = self._raw * self.composition if applies else self._raw
 
