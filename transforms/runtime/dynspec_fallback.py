@@ -771,8 +771,11 @@ class Measurements:
         self.config = config
         self.clock = clock
         self.tokens_per_step: float | None = None
-        # (tokens, requests) of the newest verify steps, newest last, and their mean
+        # The newest verify steps, newest last, with their requests and tokens in all, and
+        # their mean
         self._verified: collections.deque[_Verified] = collections.deque()
+        self._held = 0
+        self._tokens = 0.0
         self._raw: float | None = None  # tokens per request over the window, uncorrected
         self._in_probe = False
         # The probe under way: its steps, and the window of the probes before it that it may
@@ -842,12 +845,13 @@ class Measurements:
                     self._probe_steps = []
                     self._from_probe = True
                 self._probe_steps.append(entry)
-                self._verified = collections.deque(self._probe_window())
+                self._set_window(self._probe_window())
             else:
                 self._verified.append(entry)
+                self._held += entry.requests
+                self._tokens += entry.tokens
             self._trim_window()
-            held = sum(v.requests for v in self._verified)
-            self._raw = sum(v.tokens for v in self._verified) / held
+            self._raw = self._tokens / self._held
         self._publish()
 
     def _trim_window(self) -> None:
@@ -855,17 +859,21 @@ class Measurements:
         ``acceptance_requests`` requests and ``acceptance_distinct`` different ones (or more
         than ``acceptance_steps_max`` steps)."""
         window, config = self._verified, self.config
-        held = sum(v.requests for v in window)
         while len(window) > 1:
-            rest = held - window[0].requests
             distinct = window[1].requests + window[-1].started - window[1].started
             enough = distinct >= config.acceptance_distinct or (
                 len(window) > config.acceptance_steps_max
             )
-            if rest < config.acceptance_requests or not enough:
+            if self._held - window[0].requests < config.acceptance_requests or not enough:
                 return
-            held = rest
-            window.popleft()
+            oldest = window.popleft()
+            self._held -= oldest.requests
+            self._tokens -= oldest.tokens
+
+    def _set_window(self, steps: list[_Verified]) -> None:
+        self._verified = collections.deque(steps)
+        self._held = sum(v.requests for v in steps)
+        self._tokens = sum(v.tokens for v in steps)
 
     def _probe_window(self) -> list[_Verified]:
         """The probe so far, after the probes before it where its mean so far agrees with
@@ -910,8 +918,7 @@ class Measurements:
             spec, plain = entries.get(padded, (None, None))
             median = float(sorted(window)[len(window) // 2])
             entries[padded] = (median, plain) if speculative else (spec, median)
-        held = sum(v.requests for v in self._verified)
-        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded, held)
+        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded, self._held)
 
 
 def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
