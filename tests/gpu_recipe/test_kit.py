@@ -231,6 +231,7 @@ class SweepStub(JsonHandler):
     generate_ports: ClassVar[list[int]] = []  # the client port of each /generate
     opened: ClassVar[list[int]] = []  # the client port of each connection taken
     profile_calls: ClassVar[list[tuple[str, int]]] = []  # (path, /generate calls before it)
+    new_tokens: ClassVar[list[int]] = []  # each /generate's max_new_tokens
     trace_dir = ""
 
     def setup(self) -> None:
@@ -264,6 +265,7 @@ class SweepStub(JsonHandler):
             self._reply({"success": True})
             return
         self.generate_ports.append(self.client_address[1])
+        self.new_tokens.append(body["sampling_params"]["max_new_tokens"])
         ids = body["input_ids"]
         delay = 0.06 if ids[0] % 2 == self.slow_parity else 0.02
         time.sleep(delay)
@@ -283,6 +285,7 @@ def stub_url() -> Iterator[str]:
     SweepStub.generate_ports.clear()
     SweepStub.opened.clear()
     SweepStub.profile_calls.clear()
+    SweepStub.new_tokens.clear()
     SweepStub.kernels = DEFAULT_KERNELS
 
 
@@ -640,6 +643,48 @@ def test_back_to_back_waves_trace_the_time_outside_the_steady_decode_steps(stub_
     # 100 us before the first step + (500 - 100) us of the long interval; the tail is shorter
     # than a step
     assert report["outside_steady_steps_ms"] == 0.5
+
+
+def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp_path):
+    """Every --layers decode-attention kernels start a decode step; the interval that holds a
+    prefill-attention kernel is set against the decode-only ones: its extra wall, GPU busy and
+    idle time, and by kernel what it runs beyond them. With --olen-spread each request asks for
+    OLEN * (1 +- S) tokens."""
+    marker = "_fwd_grouped_kernel_stage1"
+    steps = (0.0, 100.0, 200.0, 400.0, 500.0)  # the third interval holds a prefill: 200 us
+    SweepStub.kernels = tuple(
+        sorted(
+            [
+                *((marker, t + d, t + d + 5.0) for t in steps for d in (0.0, 10.0)),
+                *(("gemm", t + 20.0, t + 80.0) for t in steps),
+                ("_fwd_kernel", 290.0, 300.0),  # the prefill's attention
+                ("_fwd_kernel_stage2", 300.0, 340.0),  # not the prefill marker: matched exactly
+            ],
+            key=lambda k: k[1],
+        )
+    )
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "p", "--concurrency", "4", "--steps", "5", "--settle", "0.3", "--layers", "2",
+           "--olen", "100", "--olen-spread", "0.5"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    intervals = json.loads((tmp_path / "p.profile.json").read_text())["intervals"]
+    assert intervals["decode_only"] == {"count": 3, "wall_ms_median": 0.1, "gpu_busy_ms_mean": 0.07}
+    prefill = intervals["with_prefill"]
+    assert (prefill["count"], prefill["prefill_marker_calls"]) == (1, 1)
+    assert (prefill["wall_ms_mean"], prefill["gpu_busy_ms_mean"]) == (0.2, 0.12)
+    assert (prefill["extra_wall_ms"], prefill["extra_gpu_busy_ms"], prefill["extra_idle_ms"]) == (
+        0.1, 0.05, 0.05)
+    beyond = [(k["name"], k["ms_per_interval"]) for k in prefill["kernels_beyond_decode"]]
+    assert beyond[:2] == [("_fwd_kernel_stage2", 0.04), ("_fwd_kernel", 0.01)]
+    assert all(50 <= n <= 150 for n in SweepStub.new_tokens), SweepStub.new_tokens
+    assert len(set(SweepStub.new_tokens)) > 1
+
+
+def test_profile_refuses_an_output_spread_of_one_or_more(stub_url, tmp_path):
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "p", "--olen-spread", "1.0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--olen-spread must be in [0, 1)" in done.stderr
 
 
 def test_profile_without_a_trace_says_so(stub_url, tmp_path):

@@ -1,12 +1,17 @@
 # Where a loaded server's decode steps spend their time (stdlib only).
 # usage: python3 profile_steps.py URL OUTDIR NAME [--concurrency 64] [--steps 30] [--trace-root DIR]
-#                                [--wave OLEN [--waves N]]
+#                                [--olen 512 [--olen-spread S]] [--wave OLEN [--waves N]]
 #
 # Keeps CONCURRENCY clients in a closed loop, asks the server for a torch-profiler trace of STEPS
 # forward steps (SGLang's /start_profile, GPU activity only, so the host is not slowed down), then
 # reads the trace: GPU busy time (the union of kernel intervals) against the wall span of the
 # profiled steps, and the kernels that took the most time. A step whose GPU is busy for much less
 # than its wall time is host-bound (Python, launches, synchronisation), not kernel-bound.
+# The window is also cut into decode steps (every --layers decode-marker kernels start one):
+# the intervals that hold a prefill (--prefill-marker kernels) against those that hold a decode
+# step alone, with what the prefill's intervals add in wall time, in GPU busy time and by kernel.
+# --olen-spread S: each request asks for OLEN * (1 +- S) new tokens, so requests end and new
+# ones are prefilled every few steps, as on mixed traffic (the envelope's OLEN_SPREAD).
 #
 # --wave OLEN: instead, one wave on an idle server with an empty radix cache: the trace starts,
 # CONCURRENCY requests of OLEN new tokens go out together, the trace stops when the last returns.
@@ -23,6 +28,7 @@
 # the waves cost beyond their decode steps: the fixed part wave_fit.py fits, traced.
 # Writes OUTDIR/NAME.profile.json and prints a short table.
 import argparse
+import bisect
 import glob
 import gzip
 import itertools
@@ -44,6 +50,12 @@ ap.add_argument("--concurrency", type=int, default=64)
 ap.add_argument("--steps", type=int, default=30)
 ap.add_argument("--plen", type=int, default=256)
 ap.add_argument("--olen", type=int, default=512)
+ap.add_argument(
+    "--olen-spread",
+    type=float,
+    default=0.0,
+    help="closed loop: each request asks for OLEN * (1 +- this) new tokens (0 <= S < 1)",
+)
 ap.add_argument("--settle", type=float, default=6.0, help="seconds of load before profiling")
 ap.add_argument("--trace-root", default=None, help="where the raw traces go (default OUTDIR)")
 ap.add_argument(
@@ -58,6 +70,11 @@ ap.add_argument(
     default="_fwd_grouped_kernel_stage1",
     help="a kernel only decode steps run (triton decode attention)",
 )
+ap.add_argument(
+    "--prefill-marker",
+    default="_fwd_kernel",
+    help="the name of a kernel only prefills run (triton extend attention), matched exactly",
+)
 ap.add_argument("--gap-us", type=float, default=200.0, help="idle gaps longer than this are listed")
 ap.add_argument(
     "--waves",
@@ -70,6 +87,8 @@ ap.add_argument(
     "--layers", type=int, default=32, help="decode-marker kernels per decode step (the layers)"
 )
 a = ap.parse_args()
+if not 0.0 <= a.olen_spread < 1.0:
+    ap.error(f"--olen-spread must be in [0, 1), got {a.olen_spread}")
 
 
 def post(path, body, timeout=600):
@@ -92,11 +111,17 @@ def generate(ids, olen):
     post_json(a.url, "/generate", {"input_ids": ids, "sampling_params": body}, 600)
 
 
+def request_olen(rng):
+    if not a.olen_spread:
+        return a.olen
+    return max(1, round(a.olen * rng.uniform(1.0 - a.olen_spread, 1.0 + a.olen_spread)))
+
+
 def client(k):
     rng = random.Random(k)
     while not stop.is_set():
         try:
-            generate(prompt(rng), a.olen)
+            generate(prompt(rng), request_olen(rng))
         except Exception:
             time.sleep(0.2)
 
@@ -183,7 +208,69 @@ def steps_report(kernels):
         wall_ms_per_step=round(whole["wall_ms"] / a.steps, 3),
         gpu_busy_ms_per_step=round(whole["gpu_busy_ms"] / a.steps, 3),
         top_kernels=top_kernels(kernels),
+        intervals=prefill_intervals(kernels),
     )
+
+
+def prefill_intervals(kernels):
+    """The window cut at each decode step's start (every --layers decode-marker kernels): the
+    intervals that hold prefill-marker kernels against those that hold a decode step alone.
+    What a prefill's interval adds is its mean wall and GPU busy time beyond a decode-only
+    interval's (median wall, mean busy), and by kernel the time per interval beyond theirs."""
+    starts = [s for s, _, n in kernels if a.decode_marker in n][:: a.layers]
+    alone: list[tuple[float, float, dict[str, float]]] = []
+    with_prefill: list[tuple[float, float, dict[str, float]]] = []
+    prefill_calls = 0
+    kernel_starts = [s for s, _, _ in kernels]
+    longest = max(e - s for s, e, _ in kernels)
+    for begin, end in itertools.pairwise(starts):
+        near = kernels[
+            bisect.bisect_left(kernel_starts, begin - longest) : bisect.bisect_left(
+                kernel_starts, end
+            )
+        ]
+        inside = [(max(s, begin), min(e, end), n) for s, e, n in near if e > begin]
+        by_name: dict[str, float] = {}
+        for s, e, n in inside:
+            by_name[n] = by_name.get(n, 0.0) + (e - s)
+        calls = sum(n == a.prefill_marker for s, _, n in near if s >= begin)
+        prefill_calls += calls
+        busy = union_us([(s, e) for s, e, _ in inside])
+        (with_prefill if calls else alone).append((end - begin, busy, by_name))
+    if not alone:
+        return {"decode_only": 0, "with_prefill": len(with_prefill)}
+    wall_alone = sorted(w for w, _, _ in alone)[len(alone) // 2]
+    busy_alone = sum(b for _, b, _ in alone) / len(alone)
+    report = {
+        "decode_only": {
+            "count": len(alone),
+            "wall_ms_median": round(wall_alone / 1000, 4),
+            "gpu_busy_ms_mean": round(busy_alone / 1000, 4),
+        },
+        "with_prefill": {"count": len(with_prefill), "prefill_marker_calls": prefill_calls},
+    }
+    if with_prefill:
+        n = len(with_prefill)
+        wall = sum(w for w, _, _ in with_prefill) / n
+        busy = sum(b for _, b, _ in with_prefill) / n
+        names = {name for *_, by_name in alone + with_prefill for name in by_name}
+        beyond = {
+            name: sum(d.get(name, 0.0) for *_, d in with_prefill) / n
+            - sum(d.get(name, 0.0) for *_, d in alone) / len(alone)
+            for name in names
+        }
+        report["with_prefill"].update(
+            wall_ms_mean=round(wall / 1000, 4),
+            gpu_busy_ms_mean=round(busy / 1000, 4),
+            extra_wall_ms=round((wall - wall_alone) / 1000, 4),
+            extra_gpu_busy_ms=round((busy - busy_alone) / 1000, 4),
+            extra_idle_ms=round(((wall - wall_alone) - (busy - busy_alone)) / 1000, 4),
+            kernels_beyond_decode=[
+                {"name": name, "ms_per_interval": round(us / 1000, 4)}
+                for name, us in sorted(beyond.items(), key=lambda kv: -kv[1])[:20]
+            ],
+        )
+    return report
 
 
 def wave_report(kernels):
@@ -316,3 +403,13 @@ else:
     )
     for k in result["top_kernels"][:12]:
         print(f"  {k['total_ms'] / a.steps:8.3f} ms/step  {k['calls']:6d}  {k['name']}")
+    alone, pre = result["intervals"]["decode_only"], result["intervals"]["with_prefill"]
+    if isinstance(alone, dict) and pre.get("count"):
+        print(
+            f"  decode-only intervals {alone['count']}: {alone['wall_ms_median']} ms wall "
+            f"(median), {alone['gpu_busy_ms_mean']} ms busy; with a prefill {pre['count']}: "
+            f"+{pre['extra_wall_ms']} ms wall, +{pre['extra_gpu_busy_ms']} ms busy, "
+            f"+{pre['extra_idle_ms']} ms idle"
+        )
+        for k in pre["kernels_beyond_decode"][:8]:
+            print(f"  {k['ms_per_interval']:8.3f} ms/interval beyond decode  {k['name']}")

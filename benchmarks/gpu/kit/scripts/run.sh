@@ -51,7 +51,9 @@
 #   and writes VARIANT.profile.json: GPU busy vs wall time per step, top kernels), PROFILE_ARGS
 #   (more profile_steps.py options, e.g. "--olen 2048 --settle 8": 30 steady decode steps;
 #   "--wave 64": one wave of PROFILE_AT requests of 64 tokens on the idle server, prefill and
-#   decode phases and the GPU's idle gaps, the same work on every server),
+#   decode phases and the GPU's idle gaps, the same work on every server; "--olen 128
+#   --olen-spread 0.5 --steps 150": mixed lengths, a prefill every few steps, and what the
+#   intervals that hold one add beyond a decode step, in wall, GPU busy and idle time),
 #   JITWARM_SKIP (setup: kernels jitwarm.py leaves to the server, e.g. clamp_position),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
 #   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
