@@ -387,6 +387,94 @@ def test_a_release_without_the_slot_assignment_kernel_warms_up_the_rest(
     assert kinds == {"clamp_position", "DECODE", "width-1 draft-extend"}
 
 
+def prefill_slot_write_module(
+    monkeypatch: Any, name: str, params: list[str] | None = None
+) -> list[tuple[Any, ...]]:
+    """A stand-in SGLang module ``name`` whose ``write_req_to_token_pool_triton`` runs the slow
+    tier's CPU reference of the kernel (with its parameter names, or ``params``). It records
+    each launch's grid and arguments."""
+    from tests.slow.harness.ref_kernels import ParamsGridKernel, write_req_to_token_pool_triton
+
+    calls: list[tuple[Any, ...]] = []
+
+    def record(grid: tuple[int, ...], *args: Any) -> None:
+        calls.append((grid, *args))
+        write_req_to_token_pool_triton[grid](*args)
+
+    kernel = ParamsGridKernel(record, params or write_req_to_token_pool_triton.arg_names)
+    module = types.ModuleType(name)
+    module.write_req_to_token_pool_triton = kernel
+    monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def test_the_reference_prefill_slot_write_records_prefixes_and_new_slots():
+    """The reference the warm-up tests run: request 0 takes its 2 prefix slots (read at the
+    prefix tensor's address) and 3 new ones; request 1 no prefix and the next 2."""
+    import torch
+
+    from tests.slow.harness.ref_kernels import write_req_to_token_pool_triton
+
+    req_to_token = torch.zeros((4, 8), dtype=torch.int32)
+    prefix = torch.tensor([40, 41], dtype=torch.int64)
+    pointers = torch.tensor([prefix.data_ptr(), 0], dtype=torch.uint64)
+    locs = torch.tensor([7, 8, 9, 5, 6], dtype=torch.int64)
+    longs = {"dtype": torch.int64}
+    write_req_to_token_pool_triton[(2,)](
+        req_to_token, torch.tensor([2, 3], **longs), pointers, torch.tensor([2, 0], **longs),
+        torch.tensor([5, 2], **longs), torch.tensor([3, 2], **longs), locs, 8,
+    )
+    assert req_to_token[2].tolist() == [40, 41, 7, 8, 9, 0, 0, 0]
+    assert req_to_token[3].tolist() == [5, 6, 0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "module",
+    dyn.PREFILL_SLOT_WRITE_MODULES,
+    ids=["0.5.16+", "0.5.13-0.5.15", "0.5.3.post3-0.5.12", "<=0.5.3.post1"],
+)
+def test_sglangs_prefill_slot_write_compiles_for_both_alignments_and_writes_nothing(
+    forward_batch_info, monkeypatch, caplog, module
+):
+    """Every prefill runs it; Triton compiles one variant per pointer alignment, and the slots
+    are a view into the allocator's free list: one call with the slots 16-byte aligned, one
+    8 bytes off, each for one request with no prefix and no new token, with the dtypes SGLang's
+    prefill passes and its request pool's row stride."""
+    import torch
+
+    calls = prefill_slot_write_module(monkeypatch, module)
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    before = world.req_to_token.clone()
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    assert [c[7].data_ptr() % 16 for c in calls] == [0, 8]
+    for grid, req_to_token, rows, prefixes, pre, seq, extend, slots, stride in calls:
+        assert grid == (1,)
+        assert req_to_token is world.worker.req_to_token_pool.req_to_token
+        assert stride == req_to_token.shape[1]
+        assert prefixes.dtype == torch.uint64
+        for t in (rows, pre, seq, extend, slots):
+            assert t.dtype == torch.int64 and t.tolist() == [0]
+    assert torch.equal(world.req_to_token, before)  # nothing written
+    (line,) = warmup_lines(caplog)
+    assert ", prefill slot write 2) in " in line.getMessage()
+    assert "raised" not in line.getMessage()
+
+
+def test_a_prefill_slot_write_of_other_parameters_is_left_to_its_first_use(
+    forward_batch_info, monkeypatch
+):
+    """0.4.x's kernel has no prefix pointers: the warm-up does not guess at its arguments."""
+    params = ["req_to_token_ptr", "req_pool_indices", "pre_lens", "seq_lens", "extend_lens",
+              "out_cache_loc", "req_to_token_ptr_stride"]
+    calls = prefill_slot_write_module(monkeypatch, dyn.PREFILL_SLOT_WRITE_MODULES[3], params)
+    world = warm_world("0.5.12.post1", "v2", batch_size=4)
+    assert step(world, "v2") is not None
+    adapter = dyn._adapters[type(world.worker)]
+    kinds = {kind for kind, _ in dyn._warmup_replays(adapter, world.worker)}
+    assert "prefill slot write" not in kinds and calls == []
+
+
 def test_v1_warms_up_its_decode_graphs(forward_batch_info, caplog):
     world = warm_world("0.5.12.post1", "v1", batch_size=4)
     with caplog.at_level(logging.INFO, logger=dyn.__name__):

@@ -204,10 +204,12 @@ def test_warmup_replays_padding_rows_through_the_real_replay(v2_case, drive):
     (line,) = [entry for entry in graphs["log"] if "warm-up replays at start-up" in entry]
     # SGLang's own assign_req_to_token_pool_func (the reference kernel in place of Triton's) at
     # bs 1, 2, 4 with int32 and int64 offsets, the slots aligned and 8 bytes off, every range
-    # empty
-    assert "19/19 ok (clamp_position 1, DECODE 3, width-1 draft-extend 3, slot assignment 12)" in (
-        line
-    )
+    # empty; its write_req_to_token_pool_triton (the reference too) with the slots aligned and
+    # 8 bytes off, writing nothing
+    assert (
+        "21/21 ok (clamp_position 1, DECODE 3, width-1 draft-extend 3, slot assignment 12, "
+        "prefill slot write 2)"
+    ) in line
     assert "raised" not in line and "stopped" not in line
     assert graphs["clamp_position_calls"] == [[2, 2, 2, 2]]  # int64 rows of the largest size
     decode_replays = graphs["decode"]["replays"]

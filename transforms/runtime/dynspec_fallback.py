@@ -3171,6 +3171,7 @@ def _warmup_replays(adapter: Adapter, worker: Any) -> list[tuple[str, Callable[[
         for bs in writes:
             replays.append(("draft KV write", functools.partial(write_kv, bs)))
     replays += _slot_assignment_warmups(adapter, worker, device)
+    replays += _prefill_slot_write_warmups(worker, device)
     return replays + later
 
 
@@ -3210,10 +3211,7 @@ def _slot_assignment_warmups(
         assign = getattr(sys.modules.get(name), "assign_req_to_token_pool_func", None)
         if assign is not None:
             break
-    target_runner = worker.target_worker.model_runner
-    pool = getattr(worker, "req_to_token_pool", None) or getattr(
-        target_runner, "req_to_token_pool", None
-    )
+    pool = _request_pool(worker)
     if assign is None or pool is None:
         return []  # its first real uses compile it, as before
     req_to_token = pool.req_to_token
@@ -3233,6 +3231,83 @@ def _slot_assignment_warmups(
         for slots_offset in (0, 1)  # 16-byte aligned, 8 bytes off
         for dtype in (torch.int32, torch.int64)
         for bs in powers
+    ]
+
+
+# SGLang's prefill slot write (``write_req_to_token_pool_triton``), by release: where it lives
+# from 0.5.16, in 0.5.13-0.5.15, 0.5.3.post3-0.5.12, up to 0.5.3.post1.
+PREFILL_SLOT_WRITE_MODULES = (
+    "sglang.kernels.ops.memory.common",
+    "sglang.srt.mem_cache.triton_ops.common",
+    "sglang.srt.mem_cache.common",
+    "sglang.srt.managers.schedule_batch",
+)
+# Its parameters where the warm-up knows them (0.4.x's lack ``prefix_tensors``: not warmed up).
+PREFILL_SLOT_WRITE_PARAMS = (
+    "req_to_token_ptr",
+    "req_pool_indices",
+    "prefix_tensors",
+    "pre_lens",
+    "seq_lens",
+    "extend_lens",
+    "out_cache_loc",
+    "req_to_token_ptr_stride",
+)
+
+
+def _request_pool(worker: Any) -> Any:
+    """SGLang's request-to-token pool, which the EAGLE worker or its target runner holds."""
+    return getattr(worker, "req_to_token_pool", None) or getattr(
+        worker.target_worker.model_runner, "req_to_token_pool", None
+    )
+
+
+def _prefill_slot_write_warmups(worker: Any, device: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """SGLang's ``write_req_to_token_pool_triton``, with the slots 16-byte aligned and 8 bytes
+    off.
+
+    Every prefill records its requests' slots with this Triton kernel, plain decoding's as
+    well as a speculative server's. Its block constant is fixed, so it compiles once per
+    variant Triton makes, and Triton makes one per pointer alignment: the slots come from
+    SGLang's allocator as a view into its free list that moves on by whole int64 entries, so
+    half the prefills hand it slots 8 bytes off, and the first of those after a start with
+    empty caches compiles it again inside a loaded level, where the scheduler's thread waits
+    (0.5.17, a fresh H100's first server, 2026-12-06: its second c = 64 level compiled it and
+    gave 0.932 of plain decoding; the plain server after it met a warm cache). Each call writes
+    nothing: one request with no prefix and no new token; its other arguments have the dtypes
+    SGLang's prefill passes (int64, the prefix pointers uint64).
+    """
+    import torch
+
+    kernel = None
+    for name in PREFILL_SLOT_WRITE_MODULES:
+        kernel = getattr(sys.modules.get(name), "write_req_to_token_pool_triton", None)
+        if kernel is not None:
+            break
+    params = tuple(getattr(kernel, "arg_names", ()))
+    pool = _request_pool(worker)
+    if kernel is None or params != PREFILL_SLOT_WRITE_PARAMS or pool is None:
+        return []  # its first real uses compile it, as before
+    req_to_token = pool.req_to_token
+
+    def write_nothing(slots_offset: int) -> None:
+        zero = torch.zeros(1, dtype=torch.int64, device=device)  # row 0, no prefix, no token
+        prefixes = torch.zeros(1, dtype=torch.uint64, device=device)  # never read: no prefix
+        free_list = torch.zeros(1 + slots_offset, dtype=torch.int64, device=device)
+        kernel[(1,)](
+            req_to_token,
+            zero,
+            prefixes,
+            zero,
+            zero,
+            zero,
+            free_list[slots_offset:],
+            req_to_token.shape[1],
+        )
+
+    return [
+        ("prefill slot write", functools.partial(write_nothing, slots_offset))
+        for slots_offset in (0, 1)  # 16-byte aligned, 8 bytes off
     ]
 
 

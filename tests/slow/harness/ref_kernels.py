@@ -188,6 +188,44 @@ def _assign_req_to_token_pool(
         taken += end - start
 
 
+def _write_req_to_token_pool(
+    grid: tuple[int, ...],
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_tensors: torch.Tensor,
+    pre_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *_: Any,
+) -> None:
+    """Request i's row: its prefix's slots (read from the int64 tensor at the address
+    ``prefix_tensors[i]``, as the kernel does) at 0..pre_len, then the next seq_len - pre_len
+    entries of out_cache_loc (request i's start: the sum of the earlier extend_lens)."""
+    import ctypes
+
+    start = 0
+    for i in range(grid[0]):
+        row, pre_len, seq_len = int(req_pool_indices[i]), int(pre_lens[i]), int(seq_lens[i])
+        if pre_len:
+            address = int(prefix_tensors[i])
+            prefix = (ctypes.c_int64 * pre_len).from_address(address)
+            req_to_token[row, :pre_len] = torch.tensor(list(prefix), dtype=req_to_token.dtype)
+        new = seq_len - pre_len
+        req_to_token[row, pre_len:seq_len] = out_cache_loc[start : start + new].to(
+            req_to_token.dtype
+        )
+        start += int(extend_lens[i])
+
+
+class ParamsGridKernel(GridKernel):
+    """A ``GridKernel`` that names its parameters as a Triton kernel does (``arg_names``)."""
+
+    def __init__(self, fn: Callable[..., None], arg_names: list[str]) -> None:
+        super().__init__(fn)
+        self.arg_names = list(arg_names)
+
+
 def _create_extend_after_decode_spec_info(
     grid: tuple[int, ...],
     verified_id: torch.Tensor,
@@ -313,6 +351,11 @@ assign_req_to_token_pool = GridKernel(_assign_req_to_token_pool)
 compute_position_kernel = GridKernel(_compute_position_kernel)
 create_extend_spec_info = GridKernel(_create_extend_spec_info)
 create_extend_after_decode_spec_info = GridKernel(_create_extend_after_decode_spec_info)
+write_req_to_token_pool_triton = ParamsGridKernel(
+    _write_req_to_token_pool,
+    ["req_to_token_ptr", "req_pool_indices", "prefix_tensors", "pre_lens", "seq_lens",
+     "extend_lens", "out_cache_loc", "req_to_token_ptr_stride"],
+)
 
 # Triton kernels: looked up by name in these SGLang modules, replaced everywhere by identity.
 TRITON_KERNELS: dict[str, GridKernel] = {
@@ -320,12 +363,17 @@ TRITON_KERNELS: dict[str, GridKernel] = {
     "create_extend_after_decode_spec_info": create_extend_after_decode_spec_info,
     "compute_position_kernel": compute_position_kernel,
     "create_extend_spec_info": create_extend_spec_info,
+    "write_req_to_token_pool_triton": write_req_to_token_pool_triton,
 }
 TRITON_HOMES = (
     "sglang.srt.speculative.spec_utils",
     "sglang.srt.speculative.eagle_info_v2",
     "sglang.srt.speculative.eagle_utils",
     "sglang.srt.model_executor.forward_batch_info",
+    "sglang.kernels.ops.memory.common",
+    "sglang.srt.mem_cache.triton_ops.common",
+    "sglang.srt.mem_cache.common",
+    "sglang.srt.managers.schedule_batch",
 )
 
 # sgl_kernel functions: set on the stand-in module and replaced wherever imported by name.
