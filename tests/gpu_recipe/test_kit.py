@@ -665,7 +665,7 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
     )
     cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
            "p", "--concurrency", "4", "--steps", "5", "--settle", "0.3", "--layers", "2",
-           "--olen", "100", "--olen-spread", "0.5"]
+           "--olen", "100", "--olen-spread", "0.5", "--gap-us", "8"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     intervals = json.loads((tmp_path / "p.profile.json").read_text())["intervals"]
     assert intervals["decode_only"] == {"count": 3, "wall_ms_median": 0.1, "gpu_busy_ms_mean": 0.07}
@@ -676,6 +676,12 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
         0.1, 0.05, 0.05)
     beyond = [(k["name"], k["ms_per_interval"]) for k in prefill["kernels_beyond_decode"]]
     assert beyond[:2] == [("_fwd_kernel_stage2", 0.04), ("_fwd_kernel", 0.01)]
+    # idle longer than 8 us inside it: 280-290 (the 5 us gaps between markers are shorter;
+    # the decode-only intervals' own gaps are not counted)
+    gaps = prefill["idle_gaps"]
+    assert (gaps["count"], gaps["ms_per_interval"]) == (1, 0.01)
+    assert [(g["at_ms"], g["after"], g["before"]) for g in gaps["largest"]] == [
+        (0.28, "gemm", "_fwd_kernel")]
     assert all(50 <= n <= 150 for n in SweepStub.new_tokens), SweepStub.new_tokens
     assert len(set(SweepStub.new_tokens)) > 1
 

@@ -9,7 +9,8 @@
 # than its wall time is host-bound (Python, launches, synchronisation), not kernel-bound.
 # The window is also cut into decode steps (every --layers decode-marker kernels start one):
 # the intervals that hold a prefill (--prefill-marker kernels) against those that hold a decode
-# step alone, with what the prefill's intervals add in wall time, in GPU busy time and by kernel.
+# step alone, with what the prefill's intervals add in wall time, in GPU busy time and by kernel,
+# and the GPU's idle gaps longer than --gap-us inside them with the kernels on either side.
 # --olen-spread S: each request asks for OLEN * (1 +- S) new tokens, so requests end and new
 # ones are prefilled every few steps, as on mixed traffic (the envelope's OLEN_SPREAD).
 #
@@ -220,6 +221,7 @@ def prefill_intervals(kernels):
     starts = [s for s, _, n in kernels if a.decode_marker in n][:: a.layers]
     alone: list[tuple[float, float, dict[str, float]]] = []
     with_prefill: list[tuple[float, float, dict[str, float]]] = []
+    prefill_gaps: list[tuple[float, float, str, str]] = []  # in intervals with a prefill
     prefill_calls = 0
     kernel_starts = [s for s, _, _ in kernels]
     longest = max(e - s for s, e, _ in kernels)
@@ -237,6 +239,8 @@ def prefill_intervals(kernels):
         prefill_calls += calls
         busy = union_us([(s, e) for s, e, _ in inside])
         (with_prefill if calls else alone).append((end - begin, busy, by_name))
+        if calls:
+            prefill_gaps += idle_gaps(sorted(inside), starts[0])
     if not alone:
         return {"decode_only": 0, "with_prefill": len(with_prefill)}
     wall_alone = sorted(w for w, _, _ in alone)[len(alone) // 2]
@@ -269,6 +273,15 @@ def prefill_intervals(kernels):
                 {"name": name, "ms_per_interval": round(us / 1000, 4)}
                 for name, us in sorted(beyond.items(), key=lambda kv: -kv[1])[:20]
             ],
+            idle_gaps=dict(
+                longer_than_us=a.gap_us,
+                count=len(prefill_gaps),
+                ms_per_interval=round(sum(g[1] for g in prefill_gaps) / n, 4),
+                largest=[
+                    {"at_ms": round(t, 3), "ms": round(d, 3), "after": b, "before": k}
+                    for t, d, b, k in sorted(prefill_gaps, key=lambda g: -g[1])[:12]
+                ],
+            ),
         )
     return report
 
@@ -413,3 +426,10 @@ else:
         )
         for k in pre["kernels_beyond_decode"][:8]:
             print(f"  {k['ms_per_interval']:8.3f} ms/interval beyond decode  {k['name']}")
+        gaps = pre["idle_gaps"]
+        print(
+            f"  idle gaps > {a.gap_us:g} us in them: {gaps['count']}, "
+            f"{gaps['ms_per_interval']} ms per interval"
+        )
+        for g in gaps["largest"][:6]:
+            print(f"  idle {g['ms']:8.3f} ms  after {g['after'][:50]}  before {g['before'][:50]}")
