@@ -656,8 +656,8 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
         sorted(
             [
                 *((marker, t + d, t + d + 5.0) for t in steps for d in (0.0, 10.0)),
-                *(("gemm", t + 20.0, t + 80.0) for t in steps),
-                ("_fwd_kernel", 290.0, 300.0),  # the prefill's attention
+                *(("gemm", t + 25.0, t + 80.0) for t in steps),  # 10 us idle before each
+                ("_fwd_kernel", 295.0, 300.0),  # the prefill's attention, 15 us idle before
                 ("_fwd_kernel_stage2", 300.0, 340.0),  # not the prefill marker: matched exactly
             ],
             key=lambda k: k[1],
@@ -668,20 +668,21 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
            "--olen", "100", "--olen-spread", "0.5", "--gap-us", "8"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     intervals = json.loads((tmp_path / "p.profile.json").read_text())["intervals"]
-    assert intervals["decode_only"] == {"count": 3, "wall_ms_median": 0.1, "gpu_busy_ms_mean": 0.07}
+    assert intervals["decode_only"] == {"count": 3, "wall_ms_median": 0.1,
+                                        "gpu_busy_ms_mean": 0.065}
     prefill = intervals["with_prefill"]
     assert (prefill["count"], prefill["prefill_marker_calls"]) == (1, 1)
-    assert (prefill["wall_ms_mean"], prefill["gpu_busy_ms_mean"]) == (0.2, 0.12)
+    assert (prefill["wall_ms_mean"], prefill["gpu_busy_ms_mean"]) == (0.2, 0.11)
     assert (prefill["extra_wall_ms"], prefill["extra_gpu_busy_ms"], prefill["extra_idle_ms"]) == (
-        0.1, 0.05, 0.05)
+        0.1, 0.045, 0.055)
     beyond = [(k["name"], k["ms_per_interval"]) for k in prefill["kernels_beyond_decode"]]
-    assert beyond[:2] == [("_fwd_kernel_stage2", 0.04), ("_fwd_kernel", 0.01)]
-    # idle longer than 8 us inside it: 280-290 (the 5 us gaps between markers are shorter;
-    # the decode-only intervals' own gaps are not counted)
+    assert beyond[:2] == [("_fwd_kernel_stage2", 0.04), ("_fwd_kernel", 0.005)]
+    # idle longer than 8 us inside it: 215-225 and 280-295 (the 5 us gaps between markers are
+    # shorter; the decode-only intervals' own 10 us gaps are not counted)
     gaps = prefill["idle_gaps"]
-    assert (gaps["count"], gaps["ms_per_interval"]) == (1, 0.01)
+    assert (gaps["count"], gaps["ms_per_interval"]) == (2, 0.025)
     assert [(g["at_ms"], g["after"], g["before"]) for g in gaps["largest"]] == [
-        (0.28, "gemm", "_fwd_kernel")]
+        (0.28, "gemm", "_fwd_kernel"), (0.215, marker, "gemm")]
     assert all(50 <= n <= 150 for n in SweepStub.new_tokens), SweepStub.new_tokens
     assert len(set(SweepStub.new_tokens)) > 1
 
