@@ -646,12 +646,13 @@ def test_back_to_back_waves_trace_the_time_outside_the_steady_decode_steps(stub_
 
 
 def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp_path):
-    """Every --layers decode-attention kernels start a decode step; the interval that holds a
-    prefill-attention kernel is set against the decode-only ones: its extra wall, GPU busy and
-    idle time, and by kernel what it runs beyond them. With --olen-spread each request asks for
-    OLEN * (1 +- S) tokens."""
+    """Every --layers decode-attention kernels start a decode step; the intervals that hold a
+    prefill-attention kernel are set against the decode-only ones: their extra wall, GPU busy
+    and idle time, per interval and per prefill forward, and by kernel what they run beyond
+    them. With --olen-spread each request asks for OLEN * (1 +- S) tokens."""
     marker = "_fwd_grouped_kernel_stage1"
-    steps = (0.0, 100.0, 200.0, 400.0, 500.0)  # the third interval holds a prefill: 200 us
+    # the third and the fifth interval hold a prefill: 200 us each
+    steps = (0.0, 100.0, 200.0, 400.0, 500.0, 700.0)
     SweepStub.kernels = tuple(
         sorted(
             [
@@ -659,6 +660,7 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
                 *(("gemm", t + 25.0, t + 80.0) for t in steps),  # 10 us idle before each
                 ("_fwd_kernel", 295.0, 300.0),  # the prefill's attention, 15 us idle before
                 ("_fwd_kernel_stage2", 300.0, 340.0),  # not the prefill marker: matched exactly
+                ("_fwd_kernel", 595.0, 600.0),  # the second prefill, 15 us idle before
             ],
             key=lambda k: k[1],
         )
@@ -671,18 +673,23 @@ def test_a_loaded_profile_splits_the_intervals_that_hold_a_prefill(stub_url, tmp
     assert intervals["decode_only"] == {"count": 3, "wall_ms_median": 0.1,
                                         "gpu_busy_ms_mean": 0.065}
     prefill = intervals["with_prefill"]
-    assert (prefill["count"], prefill["prefill_marker_calls"]) == (1, 1)
-    assert (prefill["wall_ms_mean"], prefill["gpu_busy_ms_mean"]) == (0.2, 0.11)
+    assert (prefill["count"], prefill["prefill_marker_calls"]) == (2, 2)
+    assert (prefill["wall_ms_mean"], prefill["gpu_busy_ms_mean"]) == (0.2, 0.09)
     assert (prefill["extra_wall_ms"], prefill["extra_gpu_busy_ms"], prefill["extra_idle_ms"]) == (
-        0.1, 0.045, 0.055)
+        0.1, 0.025, 0.075)
+    # two marker calls at --layers 2: one prefill forward in two intervals, so per forward
+    # twice an interval's extra
+    assert prefill["prefill_forwards"] == 1.0
+    assert prefill["per_prefill_ms"] == {"wall": 0.2, "gpu_busy": 0.05, "idle": 0.15}
     beyond = [(k["name"], k["ms_per_interval"]) for k in prefill["kernels_beyond_decode"]]
-    assert beyond[:2] == [("_fwd_kernel_stage2", 0.04), ("_fwd_kernel", 0.005)]
-    # idle longer than 8 us inside it: 215-225 and 280-295 (the 5 us gaps between markers are
-    # shorter; the decode-only intervals' own 10 us gaps are not counted)
+    assert beyond[:2] == [("_fwd_kernel_stage2", 0.02), ("_fwd_kernel", 0.005)]
+    # idle longer than 8 us inside them: 215-225, 280-295, 515-525, 580-595 (the 5 us gaps
+    # between markers are shorter; the decode-only intervals' own 10 us gaps are not counted)
     gaps = prefill["idle_gaps"]
-    assert (gaps["count"], gaps["ms_per_interval"]) == (2, 0.025)
+    assert (gaps["count"], gaps["ms_per_interval"]) == (4, 0.025)
     assert [(g["at_ms"], g["after"], g["before"]) for g in gaps["largest"]] == [
-        (0.28, "gemm", "_fwd_kernel"), (0.215, marker, "gemm")]
+        (0.28, "gemm", "_fwd_kernel"), (0.58, "gemm", "_fwd_kernel"), (0.215, marker, "gemm"),
+        (0.515, marker, "gemm")]
     assert all(50 <= n <= 150 for n in SweepStub.new_tokens), SweepStub.new_tokens
     assert len(set(SweepStub.new_tokens)) > 1
 

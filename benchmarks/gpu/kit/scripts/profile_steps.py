@@ -263,7 +263,17 @@ def prefill_intervals(kernels):
             - sum(d.get(name, 0.0) for *_, d in alone) / len(alone)
             for name in names
         }
+        # prefill forwards, at --layers marker calls each (a draft pass that runs attention
+        # adds one call per prefill: 3 % more on a 32-layer target)
+        forwards = prefill_calls / a.layers
+        per_prefill = n / forwards / 1000  # an interval's extra us -> ms per prefill forward
         report["with_prefill"].update(
+            prefill_forwards=round(forwards, 2),
+            per_prefill_ms={
+                "wall": round((wall - wall_alone) * per_prefill, 3),
+                "gpu_busy": round((busy - busy_alone) * per_prefill, 3),
+                "idle": round(((wall - wall_alone) - (busy - busy_alone)) * per_prefill, 3),
+            },
             wall_ms_mean=round(wall / 1000, 4),
             gpu_busy_ms_mean=round(busy / 1000, 4),
             extra_wall_ms=round((wall - wall_alone) / 1000, 4),
@@ -422,7 +432,8 @@ else:
             f"  decode-only intervals {alone['count']}: {alone['wall_ms_median']} ms wall "
             f"(median), {alone['gpu_busy_ms_mean']} ms busy; with a prefill {pre['count']}: "
             f"+{pre['extra_wall_ms']} ms wall, +{pre['extra_gpu_busy_ms']} ms busy, "
-            f"+{pre['extra_idle_ms']} ms idle"
+            f"+{pre['extra_idle_ms']} ms idle; per prefill forward "
+            f"({pre['prefill_forwards']}): {pre['per_prefill_ms']}"
         )
         for k in pre["kernels_beyond_decode"][:8]:
             print(f"  {k['ms_per_interval']:8.3f} ms/interval beyond decode  {k['name']}")
