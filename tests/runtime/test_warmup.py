@@ -393,15 +393,15 @@ def prefill_slot_write_module(
     """A stand-in SGLang module ``name`` whose ``write_req_to_token_pool_triton`` runs the slow
     tier's CPU reference of the kernel (with its parameter names, or ``params``). It records
     each launch's grid and arguments."""
-    from tests.slow.harness.ref_kernels import ParamsGridKernel, write_req_to_token_pool_triton
+    from tests.slow.harness.ref_kernels import NamedGridKernel, _write_req_to_token_pool
 
     calls: list[tuple[Any, ...]] = []
 
-    def record(grid: tuple[int, ...], *args: Any) -> None:
-        calls.append((grid, *args))
-        write_req_to_token_pool_triton[grid](*args)
+    def record(grid: tuple[int, ...], **named: Any) -> None:
+        calls.append((grid, *named.values()))
+        _write_req_to_token_pool(grid, **named)
 
-    kernel = ParamsGridKernel(record, params or write_req_to_token_pool_triton.arg_names)
+    kernel = NamedGridKernel(record, params or list(dyn.PREFILL_SLOT_WRITE_PARAMS))
     module = types.ModuleType(name)
     module.write_req_to_token_pool_triton = kernel
     monkeypatch.setitem(sys.modules, name, module)
@@ -413,8 +413,11 @@ def test_the_reference_prefill_slot_write_records_prefixes_and_new_slots():
     prefix tensor's address) and 3 new ones; request 1 no prefix and the next 2."""
     import torch
 
-    from tests.slow.harness.ref_kernels import write_req_to_token_pool_triton
+    from tests.slow.harness.ref_kernels import NamedGridKernel, _write_req_to_token_pool
 
+    write_req_to_token_pool_triton = NamedGridKernel(
+        _write_req_to_token_pool, list(dyn.PREFILL_SLOT_WRITE_PARAMS)
+    )
     req_to_token = torch.zeros((4, 8), dtype=torch.int32)
     prefix = torch.tensor([40, 41], dtype=torch.int64)
     pointers = torch.tensor([prefix.data_ptr(), 0], dtype=torch.uint64)

@@ -190,40 +190,36 @@ def _assign_req_to_token_pool(
 
 def _write_req_to_token_pool(
     grid: tuple[int, ...],
-    req_to_token: torch.Tensor,
+    req_to_token_ptr: torch.Tensor,
     req_pool_indices: torch.Tensor,
     prefix_tensors: torch.Tensor,
     pre_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     out_cache_loc: torch.Tensor,
-    *_: Any,
+    req_to_token_ptr_stride: int | None = None,
 ) -> None:
-    """Request i's row: its prefix's slots (read from the int64 tensor at the address
+    """``write_req_to_token_pool_triton`` (0.5.3.post1+; 0.4.x's has no ``prefix_tensors``):
+    request i's row takes its prefix's slots (read from the int64 tensor at the address
     ``prefix_tensors[i]``, as the kernel does) at 0..pre_len, then the next seq_len - pre_len
     entries of out_cache_loc (request i's start: the sum of the earlier extend_lens)."""
     import ctypes
 
+    del req_to_token_ptr_stride  # the row stride of req_to_token_ptr, which torch knows
     start = 0
     for i in range(grid[0]):
         row, pre_len, seq_len = int(req_pool_indices[i]), int(pre_lens[i]), int(seq_lens[i])
         if pre_len:
             address = int(prefix_tensors[i])
             prefix = (ctypes.c_int64 * pre_len).from_address(address)
-            req_to_token[row, :pre_len] = torch.tensor(list(prefix), dtype=req_to_token.dtype)
+            req_to_token_ptr[row, :pre_len] = torch.tensor(
+                list(prefix), dtype=req_to_token_ptr.dtype
+            )
         new = seq_len - pre_len
-        req_to_token[row, pre_len:seq_len] = out_cache_loc[start : start + new].to(
-            req_to_token.dtype
+        req_to_token_ptr[row, pre_len:seq_len] = out_cache_loc[start : start + new].to(
+            req_to_token_ptr.dtype
         )
         start += int(extend_lens[i])
-
-
-class ParamsGridKernel(GridKernel):
-    """A ``GridKernel`` that names its parameters as a Triton kernel does (``arg_names``)."""
-
-    def __init__(self, fn: Callable[..., None], arg_names: list[str]) -> None:
-        super().__init__(fn)
-        self.arg_names = list(arg_names)
 
 
 def _create_extend_after_decode_spec_info(
@@ -351,11 +347,6 @@ assign_req_to_token_pool = GridKernel(_assign_req_to_token_pool)
 compute_position_kernel = GridKernel(_compute_position_kernel)
 create_extend_spec_info = GridKernel(_create_extend_spec_info)
 create_extend_after_decode_spec_info = GridKernel(_create_extend_after_decode_spec_info)
-write_req_to_token_pool_triton = ParamsGridKernel(
-    _write_req_to_token_pool,
-    ["req_to_token_ptr", "req_pool_indices", "prefix_tensors", "pre_lens", "seq_lens",
-     "extend_lens", "out_cache_loc", "req_to_token_ptr_stride"],
-)
 
 # Triton kernels: looked up by name in these SGLang modules, replaced everywhere by identity.
 TRITON_KERNELS: dict[str, GridKernel] = {
@@ -363,7 +354,6 @@ TRITON_KERNELS: dict[str, GridKernel] = {
     "create_extend_after_decode_spec_info": create_extend_after_decode_spec_info,
     "compute_position_kernel": compute_position_kernel,
     "create_extend_spec_info": create_extend_spec_info,
-    "write_req_to_token_pool_triton": write_req_to_token_pool_triton,
 }
 TRITON_HOMES = (
     "sglang.srt.speculative.spec_utils",
@@ -393,6 +383,8 @@ NAMED_TRITON_KERNELS: dict[str, Callable[..., None]] = {
     "assign_extend_cache_locs": _assign_extend_cache_locs,
     "fill_new_verified_id": _fill_new_verified_id,
     "fill_bonus_tokens": _fill_bonus_tokens,
+    # bound by the release's own parameter names, which the runtime's warm-up checks
+    "write_req_to_token_pool_triton": _write_req_to_token_pool,
 }
 
 
