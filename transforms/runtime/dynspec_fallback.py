@@ -3206,11 +3206,7 @@ def _slot_assignment_warmups(
     """
     import torch
 
-    assign = None
-    for name in SLOT_ASSIGN_MODULES:
-        assign = getattr(sys.modules.get(name), "assign_req_to_token_pool_func", None)
-        if assign is not None:
-            break
+    assign = _loaded_from(SLOT_ASSIGN_MODULES, "assign_req_to_token_pool_func")
     pool = _request_pool(worker)
     if assign is None or pool is None:
         return []  # its first real uses compile it, as before
@@ -3255,6 +3251,15 @@ PREFILL_SLOT_WRITE_PARAMS = (
 )
 
 
+def _loaded_from(modules: tuple[str, ...], name: str) -> Any:
+    """``name`` from the first of these SGLang modules that is loaded and has it, or None."""
+    for module in modules:
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            return found
+    return None
+
+
 def _request_pool(worker: Any) -> Any:
     """SGLang's request-to-token pool, which the EAGLE worker or its target runner holds."""
     return getattr(worker, "req_to_token_pool", None) or getattr(
@@ -3279,11 +3284,7 @@ def _prefill_slot_write_warmups(worker: Any, device: Any) -> list[tuple[str, Cal
     """
     import torch
 
-    kernel = None
-    for name in PREFILL_SLOT_WRITE_MODULES:
-        kernel = getattr(sys.modules.get(name), "write_req_to_token_pool_triton", None)
-        if kernel is not None:
-            break
+    kernel = _loaded_from(PREFILL_SLOT_WRITE_MODULES, "write_req_to_token_pool_triton")
     params = tuple(getattr(kernel, "arg_names", ()))
     pool = _request_pool(worker)
     if kernel is None or params != PREFILL_SLOT_WRITE_PARAMS or pool is None:

@@ -257,6 +257,8 @@ def prefill_intervals(kernels):
         n = len(with_prefill)
         wall = sum(w for w, _, _ in with_prefill) / n
         busy = sum(b for _, b, _ in with_prefill) / n
+        extra_wall, extra_busy = wall - wall_alone, busy - busy_alone
+        extra_idle = extra_wall - extra_busy
         names = {name for *_, by_name in alone + with_prefill for name in by_name}
         beyond = {
             name: sum(d.get(name, 0.0) for *_, d in with_prefill) / n
@@ -270,15 +272,15 @@ def prefill_intervals(kernels):
         report["with_prefill"].update(
             prefill_forwards=round(forwards, 2),
             per_prefill_ms={
-                "wall": round((wall - wall_alone) * per_prefill, 3),
-                "gpu_busy": round((busy - busy_alone) * per_prefill, 3),
-                "idle": round(((wall - wall_alone) - (busy - busy_alone)) * per_prefill, 3),
+                "wall": round(extra_wall * per_prefill, 3),
+                "gpu_busy": round(extra_busy * per_prefill, 3),
+                "idle": round(extra_idle * per_prefill, 3),
             },
             wall_ms_mean=round(wall / 1000, 4),
             gpu_busy_ms_mean=round(busy / 1000, 4),
-            extra_wall_ms=round((wall - wall_alone) / 1000, 4),
-            extra_gpu_busy_ms=round((busy - busy_alone) / 1000, 4),
-            extra_idle_ms=round(((wall - wall_alone) - (busy - busy_alone)) / 1000, 4),
+            extra_wall_ms=round(extra_wall / 1000, 4),
+            extra_gpu_busy_ms=round(extra_busy / 1000, 4),
+            extra_idle_ms=round(extra_idle / 1000, 4),
             kernels_beyond_decode=[
                 {"name": name, "ms_per_interval": round(us / 1000, 4)}
                 for name, us in sorted(beyond.items(), key=lambda kv: -kv[1])[:20]
