@@ -158,6 +158,9 @@ def read_shape(version: str, variant: str) -> Shape:
                 signatures[name] = _signature(found[1])
         extend = _method(tree, has.draft_worker, "_draft_extend_for_decode")
         signatures["draft._draft_extend_for_decode"] = _signature(extend)
+        prefill = _method(tree, has.draft_worker, "_draft_extend_for_prefill")
+        if prefill is not None:
+            signatures["draft._draft_extend_for_prefill"] = _signature(prefill)
     return Shape(
         version=version,
         variant=variant,
@@ -209,12 +212,15 @@ def clone(
     impl: Callable[[dict[str, Any]], Any],
     note: str = "",
     shown_source: str | None = None,
+    module_globals: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """A function with exactly ``signature``'s parameters that calls ``impl(bound_args)``.
 
     ``note`` becomes a comment in its source, which ``inspect.getsource`` can read (the
     runtime reads some SGLang methods' source); ``shown_source``, where given, is what
-    ``inspect.getsource`` reads instead (the release's own method).
+    ``inspect.getsource`` reads instead (the release's own method); ``module_globals`` are
+    names its ``__globals__`` hold beside the call (the globals of the release's module,
+    which the runtime reads).
     """
     namespace: dict[str, Any] = {}
     comment = f"    # {note}\n" if note else ""
@@ -222,7 +228,7 @@ def clone(
     filename = f"<standin {name} {next(_clone_ids)}>"
     shown = source if shown_source is None else shown_source + "\n"
     linecache.cache[filename] = (len(shown), None, shown.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), {"_impl": impl}, namespace)
+    exec(compile(source, filename, "exec"), {**(module_globals or {}), "_impl": impl}, namespace)
     return namespace[name]
 
 
@@ -677,14 +683,26 @@ class World:
         """
         shape = self.shape
         extend = shape.signatures["draft._draft_extend_for_decode"].split(", ", 1)[1]
-        draft = types.SimpleNamespace(
-            draft_runner=types.SimpleNamespace(tp_group="draft-tp", server_args=self.server_args),
-            _draft_extend_for_decode=clone(
-                extend,
-                "_draft_extend_for_decode",
-                self._draft_extend_v2,
-                note="replays self.cuda_graph_runner_for_draft_extend where it can, as SGLang's",
-            ),
+        members: dict[str, Any] = {}
+        prefill = shape.signatures.get("draft._draft_extend_for_prefill")
+        if prefill is not None:  # a method of the class, as SGLang's: the runtime replaces it
+            helpers = {PREFILL_TAIL_HELPER: eagle_prefill_tail_tokens}
+            members["_draft_extend_for_prefill"] = clone(
+                prefill,
+                "_draft_extend_for_prefill",
+                self._draft_pass_for_prefill,
+                note="the draft's pass over a prefill's shifted tokens, as SGLang's",
+                module_globals=helpers if PREFILL_TAIL_HELPER in shape.module_names else None,
+            )
+        draft = type("EagleDraftWorker", (), members)()
+        draft.draft_runner = types.SimpleNamespace(
+            tp_group="draft-tp", server_args=self.server_args
+        )
+        draft._draft_extend_for_decode = clone(
+            extend,
+            "_draft_extend_for_decode",
+            self._draft_extend_v2,
+            note="replays self.cuda_graph_runner_for_draft_extend where it can, as SGLang's",
         )
         draft_members = shape.draft_worker_members
         if "draft_tp_context" in draft_members:
@@ -788,15 +806,37 @@ class World:
         return self._prefill_v2(batch)
 
     def _prefill_v2(self, batch: Any) -> Any:
-        """SGLang's v2 prefill: the target's forward (FULL hidden states), then
-        ``_draft_extend_for_prefill``: each request's tokens shifted by one, its last the
-        target's next token, through the draft model (which stores their draft KV), the next
-        draft state from the draft's logits. Recorded as "prefill"."""
-        next_ids, hidden, draft_input = self._prefill(batch, self.worker.draft_worker.draft_runner)
+        """SGLang's v2 prefill: the target's forward (FULL hidden states), then the draft
+        worker's ``_draft_extend_for_prefill`` (``_draft_pass_for_prefill``)."""
+        next_ids, hidden = self._target_prefill(batch)
+        draft_input = self.worker.draft_worker._draft_extend_for_prefill(
+            batch, hidden, next_ids, getattr(batch, "mm_input_embeds", None)
+        )
         return types.SimpleNamespace(
             next_token_ids=next_ids,
             logits_output=types.SimpleNamespace(hidden_states=hidden),
             next_draft_input=draft_input,
+        )
+
+    def _draft_pass_for_prefill(self, args: dict[str, Any]) -> Any:
+        """SGLang's ``_draft_extend_for_prefill``: each request's tokens shifted by one, its
+        last the target's next token (where the release has the helper, the helper's: a
+        chunk's next prompt token), left in ``batch.input_ids``; through the draft model (which
+        stores their draft KV); the next draft state from the draft's logits, its root the
+        target's next tokens. Recorded as "prefill"."""
+        batch, next_ids = args["batch"], args["next_token_ids"]
+        tail = next_ids
+        if PREFILL_TAIL_HELPER in self.shape.module_names:
+            tail = eagle_prefill_tail_tokens(batch, next_ids)
+        shifted = _shifted(batch.input_ids, batch.extend_lens, tail)
+        batch.input_ids = shifted
+        runner = self.worker.draft_worker.draft_runner
+        topk_p, topk_index, draft_hidden = self._draft_prefill_forward(
+            batch, runner, args["target_hidden_states"], shifted
+        )
+        root = self.shape.pick("EagleDraftInput", ROOT)
+        return self.module.EagleDraftInput(
+            **{root: next_ids}, topk_p=topk_p, topk_index=topk_index, hidden_states=draft_hidden
         )
 
     def _prefill_v1(self, batch: Any) -> Any:
@@ -813,17 +853,30 @@ class World:
 
     def _prefill(self, batch: Any, runner: Any) -> tuple[Any, Any, Any]:
         """(next token ids, the target's hidden states, the next draft state) of a prefill."""
+        next_ids, hidden = self._target_prefill(batch)
+        shifted = _shifted(batch.input_ids, batch.extend_lens, next_ids)
+        topk_p, topk_index, draft_hidden = self._draft_prefill_forward(
+            batch, runner, hidden, shifted
+        )
+        draft_input = types.SimpleNamespace(
+            topk_p=topk_p, topk_index=topk_index, hidden_states=draft_hidden
+        )
+        return next_ids, hidden, draft_input
+
+    def _target_prefill(self, batch: Any) -> tuple[Any, Any]:
+        """(next token ids, the target's hidden states) of a prefill."""
         hidden = target_hidden(batch.input_ids)
         lens = torch.tensor(batch.extend_lens)
+        last = torch.cumsum(lens, 0) - 1
+        return target_logits(batch.input_ids[last]).argmax(-1), hidden
+
+    def _draft_prefill_forward(
+        self, batch: Any, runner: Any, hidden: Any, shifted: Any
+    ) -> tuple[Any, Any, Any]:
+        """The draft model's pass over a prefill's shifted tokens (its prefill graph where the
+        runner has one): (top-k probabilities, top-k tokens, the draft's hidden states)."""
+        lens = torch.tensor(batch.extend_lens)
         starts = torch.cumsum(lens, 0) - lens
-        last = starts + lens - 1
-        next_ids = target_logits(batch.input_ids[last]).argmax(-1)
-        shifted = torch.cat(
-            [
-                torch.cat([batch.input_ids[s + 1 : s + n], next_ids[i : i + 1]])
-                for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))
-            ]
-        )
         forward_batch = types.SimpleNamespace(
             forward_mode=ForwardMode.EXTEND,
             spec_info=types.SimpleNamespace(hidden_states=hidden),
@@ -842,10 +895,7 @@ class World:
         probs = torch.softmax(draft_out.next_token_logits, dim=-1)
         topk_p, topk_index = probs.topk(1, dim=-1)
         self.recorder.add("prefill", shifted=shifted, slots=batch.out_cache_loc.clone())
-        draft_input = types.SimpleNamespace(
-            topk_p=topk_p, topk_index=topk_index, hidden_states=draft_out.hidden_states
-        )
-        return next_ids, hidden, draft_input
+        return topk_p, topk_index, draft_out.hidden_states
 
     # -- batch ------------------------------------------------------------------------------
 
@@ -1366,20 +1416,57 @@ def new_decode_batch(world: World, bs: int, seq_len: int) -> Any:
     return world.batch
 
 
-def new_prefill_batch(extend_lens: list[int], first_slot: int = 6000) -> Any:
-    """A prefill batch of requests adding ``extend_lens`` tokens to empty contexts, into
-    consecutive slots from ``first_slot``."""
+def new_prefill_batch(
+    extend_lens: list[int], first_slot: int = 6000, prefix_lens: list[int] | None = None
+) -> Any:
+    """A prefill batch of requests adding ``extend_lens`` tokens to contexts of
+    ``prefix_lens`` tokens (default: empty ones), into consecutive slots from
+    ``first_slot``."""
     batch = _V2Batch()
     tokens = sum(extend_lens)
+    prefixes = list(prefix_lens) if prefix_lens is not None else [0] * len(extend_lens)
     batch.forward_mode = ForwardMode.EXTEND
     batch.is_extend_in_batch = False
     batch.extend_lens = list(extend_lens)
+    batch.prefix_lens = prefixes
+    batch.chunked_req = None
+    batch.chunked_req_next_prompt_token = None
     batch.input_ids = (torch.arange(tokens, dtype=torch.int64) * 5 + 3) % VOCAB
-    batch.positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in extend_lens])
-    batch.seq_lens = torch.tensor(extend_lens, dtype=torch.int64)
+    spans = list(zip(prefixes, extend_lens, strict=True))
+    batch.positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in spans])
+    batch.seq_lens = torch.tensor([p + n for p, n in spans], dtype=torch.int64)
     batch.out_cache_loc = torch.arange(tokens, dtype=torch.int64) + first_slot
     batch.spec_info = None
     return batch
+
+
+# SGLang's helper (0.5.13+) that gives each request of a prefill its last token for the
+# draft's pass; the stand-in draft worker's module has it where the release's has it.
+PREFILL_TAIL_HELPER = "_eagle_prefill_tail_tokens"
+
+
+def eagle_prefill_tail_tokens(batch: Any, next_token_ids: Any) -> Any:
+    """As SGLang's ``_eagle_prefill_tail_tokens``: the target's next tokens, but for the
+    request whose prompt is still being chunked its next prompt token."""
+    tail = next_token_ids.to(batch.input_ids.dtype)
+    if batch.chunked_req_next_prompt_token is not None:
+        for i, req in enumerate(batch.reqs):
+            if req is batch.chunked_req:
+                tail = tail.clone()
+                tail[i] = batch.chunked_req_next_prompt_token
+                break
+    return tail
+
+
+def _shifted(input_ids: Any, extend_lens: list[int], tail: Any) -> Any:
+    """Each request's tokens shifted left by one, its last ``tail[i]``."""
+    starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+    return torch.cat(
+        [
+            torch.cat([input_ids[s + 1 : s + n], tail[i : i + 1].to(input_ids.dtype)])
+            for i, (s, n) in enumerate(zip(starts, extend_lens, strict=True))
+        ]
+    )
 
 
 def draft_runner(world: World) -> Any:

@@ -1577,6 +1577,9 @@ class Adapter:
     # A prefill in fallback stores the draft's K and V only (None: SGLang's draft pass).
     draft_prefill_write: DraftPrefillWrite | None = None
     draft_prefill_write_note: str = ""
+    # v2: such a prefill skips SGLang's draft pass (None: the write runs inside it).
+    draft_prefill_direct: DraftPrefillDirect | None = None
+    draft_prefill_direct_note: str = ""
     # v1: write-only fallback steps of greedy batches do verify()'s bookkeeping themselves
     # (``one_token_verify``), and why or why not.
     one_token_verify: bool = False
@@ -1939,6 +1942,7 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         _prepare_draft_extend_width1(adapter, worker)
     _prepare_draft_kv_write(adapter, worker)
     _prepare_draft_prefill_write(adapter, worker)
+    _prepare_draft_prefill_direct(adapter, worker)
     if variant == "v1":
         _prepare_one_token_verify(adapter, worker)
     else:
@@ -2508,6 +2512,21 @@ DRAFT_PREFILL_WRITE_ENV = "DYNSPEC_DRAFT_PREFILL_WRITE"
 DRAFT_PREFILL_WRITE_RELEASES = ("0.5.12.post1", "0.5.17")
 # ModelRunner's prefill CUDA graph (SGLang 0.5.17+; None: the prefill runs eagerly)
 DRAFT_PREFILL_GRAPH_ATTR = "prefill_cuda_graph_runner"
+# "1" lets a v2 prefill that comes while fallback steps run skip SGLang's draft pass
+# altogether (``DraftPrefillDirect``: the draft KV write of inputs built here as that pass
+# builds them, no ForwardBatch, attention metadata, LM head or top-k); "0": the prefill write
+# inside SGLang's pass (``DraftPrefillWrite``); unset: on where it has run on a GPU (none
+# yet). On an H100 with 0.5.17 (2026-12-06, seventh hold, mixed output lengths at c = 64) a
+# prefill with the write inside SGLang's pass cost 2.9 ms more than plain decoding's, 2.1 ms
+# of it with the GPU idle while the host ran the pass, and the draft's LM head GEMM 0.65 ms.
+DRAFT_PREFILL_DIRECT_ENV = "DYNSPEC_DRAFT_PREFILL_DIRECT"
+DRAFT_PREFILL_DIRECT_RELEASES: tuple[str, ...] = ()
+# SGLang's v2 draft pass of a prefill (a method of the draft worker), its leading parameters,
+# and the helper it takes each request's last token from (0.5.17+: the target's next token,
+# or a chunk's next prompt token)
+DRAFT_PREFILL_METHOD = "_draft_extend_for_prefill"
+DRAFT_PREFILL_PARAMS = ("batch", "target_hidden_states", "next_token_ids")
+DRAFT_PREFILL_TAIL_HELPER = "_eagle_prefill_tail_tokens"
 
 # capture(body) -> (replay, what body returned): body's work recorded once, replayed on the
 # same tensors.
@@ -2918,6 +2937,164 @@ class DraftPrefillWrite:
         weight = self.kv_write.inner.embed_tokens.weight
         zeros = weight.new_zeros((rows, weight.shape[-1]))
         return zeros, [zeros]
+
+
+@dataclass
+class DraftPrefillDirect:
+    """A v2 prefill's draft pass, while fallback steps run, as the draft KV write alone.
+
+    SGLang's ``_draft_extend_for_prefill`` shifts each request's tokens by one (its last one
+    from SGLang's own helper), builds a ForwardBatch and the attention metadata, and runs the
+    draft model, its LM head and a top-k for the next draft state. ``DraftPrefillWrite``
+    replaces the model's forward by the draft KV write; all the rest still runs, on the host
+    while the GPU waits. Here the method itself is replaced: the tokens and positions built
+    as that pass builds them, their K and V stored by the draft KV write, and the next draft
+    state made of zeros shaped like the one SGLang's pass returned at the checked prefill
+    (stale: the step before speculation resumes runs SGLang's draft-extend), its root the
+    target's next token as SGLang's.
+    """
+
+    tail_tokens: Callable[[Any, Any], Any]  # SGLang's helper: each request's last token
+    root_field: str
+    # The draft state class and, per field, how a state is made: ("root", None),
+    # ("zeros", (shape after the first dimension, dtype)) or ("value", the value).
+    state_cls: Any = None
+    fields: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
+    broken: str = ""
+
+    def takes(self, batch: Any, hidden: Any, next_token_ids: Any, extra: list[Any]) -> bool:
+        """Whether this pass is one built here: an extend of text tokens (every other argument
+        None: no multimodal embeddings) with each request's prefix and extend lengths, a
+        target hidden state and a slot for each token."""
+        mode = getattr(batch, "forward_mode", None)
+        if mode is None or not mode.is_extend() or any(a is not None for a in extra):
+            return False
+        lens = getattr(batch, "extend_lens", None)
+        prefixes = getattr(batch, "prefix_lens", None)
+        loc = getattr(batch, "out_cache_loc", None)
+        if not isinstance(lens, list) or not isinstance(prefixes, list) or loc is None:
+            return False
+        rows = sum(lens)
+        return (
+            len(lens) == len(prefixes) == int(next_token_ids.shape[0]) > 0
+            and rows == int(batch.input_ids.shape[0]) == int(hidden.shape[0])
+            and rows == int(loc.shape[0])
+        )
+
+    def inputs(self, batch: Any, next_token_ids: Any) -> tuple[Any, Any]:
+        """(tokens, positions) of the draft's pass: each request's tokens shifted by one, its
+        last from ``tail_tokens``; its positions from its prefix length on. One small copy
+        to the device, no host sync."""
+        import torch
+
+        lens, prefixes = batch.extend_lens, batch.prefix_lens
+        ends = list(itertools.accumulate(lens))
+        starts_less_prefix = [e - n - p for e, n, p in zip(ends, lens, prefixes, strict=True)]
+        device = batch.input_ids.device
+        index = torch.tensor(  # pinned: the copy neither waits for the GPU nor holds it up
+            [*(e - 1 for e in ends), *starts_less_prefix, *lens],
+            dtype=torch.int64,
+            pin_memory=device.type == "cuda",
+        ).to(device, non_blocking=True)
+        bs, rows = len(lens), ends[-1]
+        last, start_less_prefix, repeats = index[:bs], index[bs : 2 * bs], index[2 * bs :]
+        tokens = torch.empty_like(batch.input_ids)
+        tokens[:-1] = batch.input_ids[1:]
+        tokens[last] = self.tail_tokens(batch, next_token_ids).to(tokens.dtype)
+        positions = torch.arange(rows, device=device) - torch.repeat_interleave(
+            start_less_prefix, repeats, output_size=rows
+        )
+        return tokens, positions
+
+    def adopt(self, state: Any, next_token_ids: Any, tokens: Any, sglang_tokens: Any) -> str:
+        """Learn the draft state's make from the one SGLang's pass returned for this prefill,
+        and check the tokens built here against SGLang's; "" or why the pass stays SGLang's
+        (one host sync, at the checked prefill only)."""
+        import torch
+
+        if not dataclasses.is_dataclass(state):
+            return f"its draft state is a {type(state).__name__}, not a dataclass"
+        if sglang_tokens is None or not torch.equal(sglang_tokens, tokens):
+            return "the tokens built for the draft differ from SGLang's"
+        rows = int(next_token_ids.shape[0])
+        fields: dict[str, tuple[str, Any]] = {}
+        for field in dataclasses.fields(state):
+            if not field.init:
+                continue
+            value = getattr(state, field.name)
+            if field.name == self.root_field:
+                if not torch.is_tensor(value) or not torch.equal(value, next_token_ids):
+                    return f"its {field.name} is not the target's next tokens"
+                fields[field.name] = ("root", None)
+            elif torch.is_tensor(value):
+                if value.dim() == 0 or int(value.shape[0]) != rows:
+                    return f"its {field.name} is not one row per request"
+                fields[field.name] = ("zeros", (tuple(value.shape[1:]), value.dtype))
+            else:
+                fields[field.name] = ("value", value)
+        if self.root_field not in fields:
+            return f"its draft state has no {self.root_field}"
+        self.state_cls, self.fields = type(state), fields
+        return ""
+
+    def state(self, next_token_ids: Any) -> Any:
+        """The next draft state, as the checked one was made, for these requests."""
+        import torch
+
+        values: dict[str, Any] = {}
+        for name, (kind, spec) in self.fields.items():
+            if kind == "root":
+                values[name] = next_token_ids
+            elif kind == "zeros":
+                shape, dtype = spec
+                rows = (int(next_token_ids.shape[0]), *shape)
+                values[name] = torch.zeros(rows, dtype=dtype, device=next_token_ids.device)
+            else:
+                values[name] = spec
+        return self.state_cls(**values)
+
+
+def _prepare_draft_prefill_direct(adapter: Adapter, worker: Any) -> None:
+    """Take the direct prefill where it is turned on and the prefill write is there, on a v2
+    worker whose draft pass this reproduces (one warning where turned on and it cannot be)."""
+    proven = on_gpu_proven_release(adapter, DRAFT_PREFILL_DIRECT_RELEASES)
+    if not lever_on(DRAFT_PREFILL_DIRECT_ENV, proven):
+        adapter.draft_prefill_direct_note = (
+            f"off ({DRAFT_PREFILL_DIRECT_ENV}=1 turns it on; it has not run on a GPU)"
+        )
+        return
+    why = _draft_prefill_direct_refusal(adapter, worker)
+    if why:
+        adapter.draft_prefill_direct_note = f"SGLang's draft pass ({why})"
+        if os.environ.get(DRAFT_PREFILL_DIRECT_ENV, "").strip() == "1":
+            _rank0_logger(worker, logging.WARNING)(
+                f"[dynspec] {DRAFT_PREFILL_DIRECT_ENV}=1 not used: {why}"
+            )
+        return
+    method = getattr(type(worker.draft_worker), DRAFT_PREFILL_METHOD)
+    adapter.draft_prefill_direct = DraftPrefillDirect(
+        method.__globals__[DRAFT_PREFILL_TAIL_HELPER], str(adapter.names["root_field"])
+    )
+    adapter.draft_prefill_direct_note = (
+        "prefills in fallback skip SGLang's draft pass (checked at the first one)"
+    )
+
+
+def _draft_prefill_direct_refusal(adapter: Adapter, worker: Any) -> str:
+    """Why a prefill here cannot skip SGLang's draft pass ("" where it can)."""
+    if adapter.variant != "v2":
+        return "v1's prefill has no draft pass of its own to replace"
+    if adapter.draft_prefill_write is None:
+        return f"it needs the prefill write ({adapter.draft_prefill_write_note})"
+    method = getattr(type(getattr(worker, "draft_worker", None)), DRAFT_PREFILL_METHOD, None)
+    if not callable(method):
+        return f"the draft worker has no {DRAFT_PREFILL_METHOD}"
+    params = tuple(inspect.signature(method).parameters)[1 : 1 + len(DRAFT_PREFILL_PARAMS)]
+    if params != DRAFT_PREFILL_PARAMS:
+        return f"{DRAFT_PREFILL_METHOD} takes ({', '.join(params)}), not the ones known"
+    if not callable(getattr(method, "__globals__", {}).get(DRAFT_PREFILL_TAIL_HELPER)):
+        return f"{DRAFT_PREFILL_METHOD} takes no last tokens from {DRAFT_PREFILL_TAIL_HELPER}"
+    return ""
 
 
 def _prepare_draft_prefill_write(adapter: Adapter, worker: Any) -> None:
@@ -4338,9 +4515,12 @@ def _prefill_with_draft_kv_write(
     """The worker's own prefill, run from here with the draft model's ``forward`` replaced for
     its duration: each draft pass the prefill write takes stores K and V and returns zeros
     (the first also runs SGLang's pass and is compared with it). The re-entered hook answers
-    None."""
+    None. Where the direct prefill is taken, the draft worker's pass is replaced instead."""
     prefill = adapter.draft_prefill_write
     assert prefill is not None
+    direct = adapter.draft_prefill_direct
+    if direct is not None and not direct.broken:
+        return _prefill_without_draft_pass(worker, adapter, prefill, direct, batch, kwargs)
     inner = prefill.kv_write.inner
     sglang_forward = inner.forward
     written: list[tuple[Any, Any, Any]] = []  # (K, V, slots) of each pass it took
@@ -4393,11 +4573,75 @@ def _prefill_with_draft_kv_write(
     return result
 
 
+def _prefill_without_draft_pass(
+    worker: Any,
+    adapter: Adapter,
+    prefill: DraftPrefillWrite,
+    direct: DraftPrefillDirect,
+    batch: Any,
+    kwargs: dict[str, Any],
+) -> Any:
+    """The worker's own prefill, run from here with its draft worker's draft pass replaced
+    for its duration (``DraftPrefillDirect``): each pass it takes stores the draft's K and V
+    of the tokens built here and hands on a stale draft state. The first also runs SGLang's
+    pass, which stores the same slots again, and is compared with it: K and V, the tokens,
+    the draft state's make."""
+    draft = worker.draft_worker
+    sglang_pass = getattr(draft, DRAFT_PREFILL_METHOD)
+    written: list[tuple[Any, Any, Any]] = []  # (K, V, slots) of each pass it took
+
+    def draft_pass(batch: Any, target_hidden_states: Any, next_token_ids: Any, *args, **kw):
+        def sglang() -> Any:
+            return sglang_pass(batch, target_hidden_states, next_token_ids, *args, **kw)
+
+        if not direct.takes(batch, target_hidden_states, next_token_ids, [*args, *kw.values()]):
+            return sglang()
+        loc = batch.out_cache_loc
+        try:
+            tokens, positions = direct.inputs(batch, next_token_ids)
+            k, v = prefill.kv_write.write(tokens, target_hidden_states, positions, loc)
+        except Exception as exc:  # SGLang's pass stores these slots over whatever it left
+            direct.broken = f"it raised {type(exc).__name__}: {exc}"
+            _rank0_logger(worker, logging.WARNING)(
+                f"[dynspec] direct draft prefill raised {type(exc).__name__}: {exc}; prefills "
+                "run SGLang's draft pass"
+            )
+            return sglang()
+        written.append((k, v, loc))
+        if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
+            state = sglang()
+            direct.broken = direct.adopt(state, next_token_ids, tokens, batch.input_ids)
+            return state
+        batch.input_ids = tokens  # as SGLang's pass leaves it
+        return direct.state(next_token_ids)
+
+    own = vars(draft).get(DRAFT_PREFILL_METHOD)  # one set on the instance stays
+    setattr(draft, DRAFT_PREFILL_METHOD, draft_pass)
+    try:
+        result = _run_own_entry(worker, adapter, batch, kwargs)
+    finally:
+        if own is None:
+            delattr(draft, DRAFT_PREFILL_METHOD)  # the class's own again
+        else:
+            setattr(draft, DRAFT_PREFILL_METHOD, own)
+    if written and not prefill.checked:
+        _check_draft_prefill_write(worker, adapter, prefill, written, direct)
+    elif written:
+        adapter.draft_state_stale = True
+    return result
+
+
 def _check_draft_prefill_write(
-    worker: Any, adapter: Adapter, prefill: DraftPrefillWrite, written: list[tuple[Any, Any, Any]]
+    worker: Any,
+    adapter: Adapter,
+    prefill: DraftPrefillWrite,
+    written: list[tuple[Any, Any, Any]],
+    direct: DraftPrefillDirect | None = None,
 ) -> None:
     """Compare the prefill write with what SGLang's draft pass just stored (once; one host
-    sync and, with TP, one CPU all-reduce); every rank keeps or drops it together."""
+    sync and, with TP, one CPU all-reduce each for the write and the direct prefill); every
+    rank keeps or drops each together. The K and V the direct prefill wrote are those of the
+    tokens and positions it built: where they match, so did those."""
     try:
         results = [prefill.kv_write.matches(k, v, loc) for k, v, loc in written]
         ok = all(matched for matched, _ in results)
@@ -4407,15 +4651,32 @@ def _check_draft_prefill_write(
     if not _all_ranks_agree(adapter.tp_group(worker), ok) and ok:
         ok, detail = False, f"{detail}; another TP rank's differed"
     tokens = sum(int(loc.shape[0]) for *_, loc in written)
+    if direct is not None:
+        if not ok:
+            direct.broken = direct.broken or "its K and V differ from SGLang's"
+        elif not _all_ranks_agree(adapter.tp_group(worker), not direct.broken):
+            direct.broken = direct.broken or "another TP rank's draft state differed"
+        adapter.draft_prefill_direct_note = (
+            f"SGLang's draft pass ({direct.broken})"
+            if direct.broken
+            else f"prefills in fallback skip SGLang's draft pass (checked over {tokens} tokens)"
+        )
     if ok:
         prefill.checked = True
         adapter.draft_prefill_write_note = (
             f"prefills in fallback store the draft KV only (checked over {tokens} tokens: "
             f"{detail})"
         )
+        how = "the draft KV only"
+        if direct is not None:
+            how = (
+                f"the draft KV only, inside SGLang's draft pass (not skipped: {direct.broken})"
+                if direct.broken
+                else "the draft KV only, without SGLang's draft pass"
+            )
         _rank0_logger(worker)(
             f"[dynspec] draft prefill write matches SGLang's draft pass over {tokens} tokens "
-            f"({detail}): prefills while fallback steps run now store the draft KV only"
+            f"({detail}): prefills while fallback steps run now store {how}"
         )
         return
     prefill.broken = detail
