@@ -225,6 +225,7 @@ class SweepStub(JsonHandler):
     timeout = 0.3  # and closes one that idles this long, as uvicorn's keep-alive timeout does
     disable_nagle_algorithm = True  # as asyncio's transports (uvicorn's) do
     write_trace = True
+    trace_finishes_after: float | None = None  # s; None: the trace is written at once
     kernels = DEFAULT_KERNELS
     slow_parity: int | None = None  # prompts whose first id has this parity answer slowly
     flushes: ClassVar[list[float]] = []  # when each /flush_cache came (time.time())
@@ -260,8 +261,12 @@ class SweepStub(JsonHandler):
                 ]
                 events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99})
                 path = Path(self.trace_dir) / "stub-TP-0.trace.json.gz"
-                with gzip.open(path, "wt") as f:
-                    json.dump({"traceEvents": events}, f)
+                whole = gzip.compress(json.dumps({"traceEvents": events}).encode())
+                if self.trace_finishes_after is None:
+                    path.write_bytes(whole)
+                else:  # half of it now, the rest later: a trace still being written
+                    path.write_bytes(whole[: len(whole) // 2])
+                    threading.Timer(self.trace_finishes_after, path.write_bytes, [whole]).start()
             self._reply({"success": True})
             return
         self.generate_ports.append(self.client_address[1])
@@ -280,6 +285,7 @@ def stub_url() -> Iterator[str]:
     with serving(SweepStub) as url:
         yield url
     SweepStub.write_trace = True
+    SweepStub.trace_finishes_after = None
     SweepStub.slow_parity = None
     SweepStub.flushes.clear()
     SweepStub.generate_ports.clear()
@@ -591,6 +597,26 @@ def test_profile_reads_gpu_busy_time_and_top_kernels(stub_url, tmp_path):
     assert [(k["name"], k["calls"]) for k in report["top_kernels"]] == [("gemm", 2), ("attn", 1)]
 
 
+def test_a_trace_still_being_written_is_read_once_it_is_whole(stub_url, tmp_path):
+    """The server writes its trace after the profiled steps; read half-written, a gzip ends
+    mid-stream (two of four servers of an H100 hold, 2026-12-06): the profile waits until the
+    file stops growing and reads to its end."""
+    SweepStub.trace_finishes_after = 3.0  # longer than the 2 s the profile used to allow
+    report = run_profile(stub_url, tmp_path)
+    assert report["gpu_busy_fraction"] == round(25 / 30, 3)
+
+
+def test_a_trace_that_never_becomes_whole_fails_the_profile_naming_the_wait(stub_url, tmp_path):
+    SweepStub.trace_finishes_after = 60.0
+    cmd = [sys.executable, str(KIT / "scripts" / "profile_steps.py"), stub_url, str(tmp_path),
+           "p", "--concurrency", "2", "--steps", "5", "--settle", "0.1"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120,
+                   env={**os.environ, "PROFILE_WAIT_S": "1.5"})
+    report = json.loads((tmp_path / "p.profile.json").read_text())
+    assert re.fullmatch(r"RuntimeError: no whole trace written under \S+ in 1.5 s",
+                        report["error"])
+
+
 def test_a_wave_profile_splits_prefill_from_decode_and_lists_idle_gaps(stub_url, tmp_path):
     """--wave: the cache emptied, the trace started, the wave's requests sent, then stopped;
     the window splits at the first decode-attention kernel, and the idle gaps over 200 us are
@@ -709,3 +735,4 @@ def test_profile_without_a_trace_says_so(stub_url, tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=env)
     report = json.loads((tmp_path / "p.profile.json").read_text())
     assert "no trace written" in report["error"]
+

@@ -139,16 +139,37 @@ def union_us(intervals):
     return total
 
 
-def wait_for_trace(trace_dir):
-    for _ in range(int(2 * float(os.environ.get("PROFILE_WAIT_S", "60")))):
-        files = glob.glob(os.path.join(trace_dir, "*.json.gz")) + glob.glob(
-            os.path.join(trace_dir, "*.json")
+def wait_for_trace(trace_dir, poll_s=0.5):
+    """The server's trace file once it is whole: its size unchanged since the last look and
+    its JSON read to the end (a trace read while the server still wrote it ended mid-stream on
+    two of four servers of an H100 hold, 2026-12-06). PROFILE_WAIT_S bounds the wait."""
+    wait_s = float(os.environ.get("PROFILE_WAIT_S", "60"))
+    deadline = time.monotonic() + wait_s
+    seen = None
+    while time.monotonic() < deadline:
+        files = sorted(
+            glob.glob(os.path.join(trace_dir, "*.json.gz"))
+            + glob.glob(os.path.join(trace_dir, "*.json"))
         )
         if files:
-            time.sleep(2)  # let the writer finish
-            return sorted(files)[0]
-        time.sleep(0.5)
-    raise RuntimeError(f"no trace written under {trace_dir}")
+            size = os.path.getsize(files[0])
+            if size and (files[0], size) == seen and is_whole(files[0]):
+                return files[0]
+            seen = (files[0], size)
+        time.sleep(poll_s)
+    what = "no whole trace" if seen else "no trace"
+    raise RuntimeError(f"{what} written under {trace_dir} in {wait_s:g} s")
+
+
+def is_whole(path):
+    """Whether ``path`` holds one whole JSON document (gzip-compressed where it ends in .gz)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            json.load(f)
+    except (EOFError, OSError, ValueError):
+        return False
+    return True
 
 
 def gpu_events(path):
