@@ -184,8 +184,38 @@ def test_off_unless_turned_on(shapes, monkeypatch, value):
     assert sglang_passes(world) == 2
     assert adapter_of(world).draft_prefill_direct is None
     assert adapter_of(world).draft_prefill_direct_note == (
-        "off (DYNSPEC_DRAFT_PREFILL_DIRECT=1 turns it on; it has not run on a GPU)"
+        "off (DYNSPEC_DRAFT_PREFILL_DIRECT=1 turns it on; on a GPU it has run with SGLang "
+        "0.5.17 only)"
     )
+
+
+@pytest.mark.parametrize(
+    ("release", "value", "taken"),
+    [("0.5.17", None, True), ("0.5.17", "0", False), ("0.5.23", None, False),
+     ("0.5.23", "1", True), ("0.5.13.post1", None, False)],
+)
+def test_on_by_default_where_it_ran_on_a_gpu(shapes, monkeypatch, release, value, taken):
+    """Unset, the direct prefill runs on the releases where it ran on a GPU
+    (``DRAFT_PREFILL_DIRECT_RELEASES``) and nowhere else; a value set wins everywhere."""
+    from tests.runtime.standins import (
+        new_decode_batch,
+        package_says_release,
+        world_with_draft_model,
+    )
+
+    if value is None:
+        monkeypatch.delenv(dyn.DRAFT_PREFILL_DIRECT_ENV)
+    else:
+        monkeypatch.setenv(dyn.DRAFT_PREFILL_DIRECT_ENV, value)
+    world = world_with_draft_model(
+        shapes[release], speculative_num_steps=3, speculative_num_draft_tokens=N
+    )
+    package_says_release(monkeypatch, world, release)
+    dyn.maybe_fallback_v2(world.worker, new_decode_batch(world, 3, 10))
+    dyn.maybe_fallback_v2(world.worker, prefill_batch([3], 6000))
+    dyn.maybe_fallback_v2(world.worker, prefill_batch([2], 7000))
+    assert (adapter_of(world).draft_prefill_direct is not None) == taken
+    assert sglang_passes(world) == (1 if taken else 2)
 
 
 def test_it_needs_the_prefill_write(shapes, monkeypatch):

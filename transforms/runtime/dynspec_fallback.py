@@ -2515,12 +2515,18 @@ DRAFT_PREFILL_GRAPH_ATTR = "prefill_cuda_graph_runner"
 # "1" lets a v2 prefill that comes while fallback steps run skip SGLang's draft pass
 # altogether (``DraftPrefillDirect``: the draft KV write of inputs built here as that pass
 # builds them, no ForwardBatch, attention metadata, LM head or top-k); "0": the prefill write
-# inside SGLang's pass (``DraftPrefillWrite``); unset: on where it has run on a GPU (none
-# yet). On an H100 with 0.5.17 (2026-12-06, seventh hold, mixed output lengths at c = 64) a
-# prefill with the write inside SGLang's pass cost 2.9 ms more than plain decoding's, 2.1 ms
-# of it with the GPU idle while the host ran the pass, and the draft's LM head GEMM 0.65 ms.
+# inside SGLang's pass (``DraftPrefillWrite``); unset: on where it has run on a GPU
+# (DRAFT_PREFILL_DIRECT_RELEASES). On an H100 with 0.5.17 (2026-12-06, seventh hold, mixed
+# output lengths at c = 64) a prefill with the write inside SGLang's pass cost 2.9 ms more
+# than plain decoding's, 2.1 ms of it with the GPU idle while the host ran the pass, and the
+# draft's LM head GEMM 0.65 ms.
 DRAFT_PREFILL_DIRECT_ENV = "DYNSPEC_DRAFT_PREFILL_DIRECT"
-DRAFT_PREFILL_DIRECT_RELEASES: tuple[str, ...] = ()
+# Where it has run on a GPU: 0.5.17 (H100, 2026-12-06, eighth hold, RESULTS.md: its check
+# bit-exact on four servers, 0 mismatched outputs over 6238 requests of the crafted 8b models,
+# greedy outputs equal to plain decoding's; a fixed-T server at c = 32 / 64 / 128 with mixed
+# output lengths 0.955 / 0.968 / 0.962 of plain decoding, against 0.934 / 0.839 / 0.903 with
+# the write inside SGLang's pass on the same machine).
+DRAFT_PREFILL_DIRECT_RELEASES = ("0.5.17",)
 # SGLang's v2 draft pass of a prefill (a method of the draft worker), its leading parameters,
 # and the helper it takes each request's last token from (0.5.17+: the target's next token,
 # or a chunk's next prompt token)
@@ -3060,7 +3066,8 @@ def _prepare_draft_prefill_direct(adapter: Adapter, worker: Any) -> None:
     proven = on_gpu_proven_release(adapter, DRAFT_PREFILL_DIRECT_RELEASES)
     if not lever_on(DRAFT_PREFILL_DIRECT_ENV, proven):
         adapter.draft_prefill_direct_note = (
-            f"off ({DRAFT_PREFILL_DIRECT_ENV}=1 turns it on; it has not run on a GPU)"
+            f"off ({DRAFT_PREFILL_DIRECT_ENV}=1 turns it on; on a GPU it has run with SGLang "
+            f"{', '.join(DRAFT_PREFILL_DIRECT_RELEASES)} only)"
         )
         return
     why = _draft_prefill_direct_refusal(adapter, worker)
