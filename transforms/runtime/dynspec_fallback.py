@@ -2386,6 +2386,14 @@ def on_gpu_proven_release(
     return sglang_release(adapter.module_globals) in releases
 
 
+def lever_off_note(adapter: Adapter, env: str, releases: tuple[str, ...]) -> str:
+    """"" where the lever of ``env`` runs on this server (``lever_on``, proven on
+    ``releases``), else the note that says it is off and how to turn it on."""
+    if lever_on(env, on_gpu_proven_release(adapter, releases)):
+        return ""
+    return f"off ({env}=1 turns it on; on a GPU it has run with SGLang {', '.join(releases)} only)"
+
+
 def replays_with_replay(runner_cls: Any) -> bool:
     """Whether a graph runner class replays through ``replay()``: SGLang <= 0.5.13's layout,
     where the width-1 draft-extend and the warm-up ran on an H200 (0.5.12.post1, 2026-12-01;
@@ -3063,12 +3071,9 @@ class DraftPrefillDirect:
 def _prepare_draft_prefill_direct(adapter: Adapter, worker: Any) -> None:
     """Take the direct prefill where it is turned on and the prefill write is there, on a v2
     worker whose draft pass this reproduces (one warning where turned on and it cannot be)."""
-    proven = on_gpu_proven_release(adapter, DRAFT_PREFILL_DIRECT_RELEASES)
-    if not lever_on(DRAFT_PREFILL_DIRECT_ENV, proven):
-        adapter.draft_prefill_direct_note = (
-            f"off ({DRAFT_PREFILL_DIRECT_ENV}=1 turns it on; on a GPU it has run with SGLang "
-            f"{', '.join(DRAFT_PREFILL_DIRECT_RELEASES)} only)"
-        )
+    off = lever_off_note(adapter, DRAFT_PREFILL_DIRECT_ENV, DRAFT_PREFILL_DIRECT_RELEASES)
+    if off:
+        adapter.draft_prefill_direct_note = off
         return
     why = _draft_prefill_direct_refusal(adapter, worker)
     if why:
@@ -3107,12 +3112,9 @@ def _draft_prefill_direct_refusal(adapter: Adapter, worker: Any) -> str:
 def _prepare_draft_prefill_write(adapter: Adapter, worker: Any) -> None:
     """Take the prefill write where it is turned on and the draft KV write is there (one
     warning where it is turned on and cannot be)."""
-    proven = on_gpu_proven_release(adapter, DRAFT_PREFILL_WRITE_RELEASES)
-    if not lever_on(DRAFT_PREFILL_WRITE_ENV, proven):
-        adapter.draft_prefill_write_note = (
-            f"off ({DRAFT_PREFILL_WRITE_ENV}=1 turns it on; on a GPU it has run with SGLang "
-            f"{', '.join(DRAFT_PREFILL_WRITE_RELEASES)} only)"
-        )
+    off = lever_off_note(adapter, DRAFT_PREFILL_WRITE_ENV, DRAFT_PREFILL_WRITE_RELEASES)
+    if off:
+        adapter.draft_prefill_write_note = off
         return
     if adapter.draft_kv_write is None:
         adapter.draft_prefill_write_note = "SGLang's draft pass (no draft KV write)"
@@ -4544,40 +4546,65 @@ def _prefill_with_draft_kv_write(
         try:
             k, v = prefill.kv_write.write(input_ids, hidden, positions, loc)
         except Exception as exc:  # SGLang's pass stores these slots over whatever it left
-            prefill.broken = f"the write raised {type(exc).__name__}: {exc}"
-            _rank0_logger(worker, logging.WARNING)(
-                f"[dynspec] draft prefill write raised {type(exc).__name__}: {exc}; prefills "
-                "keep SGLang's draft pass"
-            )
+            why = _prefill_lever_raised(worker, exc, "draft prefill write", "keep")
+            prefill.broken = f"the write raised {why}"
             return sglang_pass()
         written.append((k, v, loc))
         if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
             return sglang_pass()
         return prefill.placeholder(int(input_ids.shape[0]))
 
-    own = vars(inner).get("forward")  # one set on the instance (a compiled forward) stays
     # SGLang 0.5.17+ runs the draft's prefill from a CUDA graph captured at start-up, which
     # never calls the forward set here: the runner goes without it for this pass (eager).
     runner = _draft_runner(adapter, worker)
-    prefill_graph = vars(runner).get(DRAFT_PREFILL_GRAPH_ATTR)
-    inner.forward = forward
-    if prefill_graph is not None:
-        setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, None)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_instance_attribute_set(inner, "forward", forward))
+        if vars(runner).get(DRAFT_PREFILL_GRAPH_ATTR) is not None:
+            stack.enter_context(_attributes_set(runner, {DRAFT_PREFILL_GRAPH_ATTR: None}))
         # the worker's own entry: it enters the draft's TP context around its pass
         result = _run_own_entry(worker, adapter, batch, kwargs)
+    _after_prefill_write(worker, adapter, prefill, written)
+    return result
+
+
+def _prefill_lever_raised(worker: Any, exc: Exception, lever: str, verb: str) -> str:
+    """One warning (TP rank 0) that ``lever`` raised ``exc`` and prefills ``verb`` SGLang's
+    draft pass from now on; the exception in words."""
+    raised = f"{type(exc).__name__}: {exc}"
+    _rank0_logger(worker, logging.WARNING)(
+        f"[dynspec] {lever} raised {raised}; prefills {verb} SGLang's draft pass"
+    )
+    return raised
+
+
+@contextlib.contextmanager
+def _instance_attribute_set(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``obj.name`` for the block; afterwards the one ``obj`` itself held (a compiled
+    forward, a wrapper), or none again, so that the class's own shows through."""
+    own = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
     finally:
-        if prefill_graph is not None:
-            setattr(runner, DRAFT_PREFILL_GRAPH_ATTR, prefill_graph)
         if own is None:
-            del inner.forward  # the class's own again
+            delattr(obj, name)
         else:
-            inner.forward = own
+            setattr(obj, name, own)
+
+
+def _after_prefill_write(
+    worker: Any,
+    adapter: Adapter,
+    prefill: DraftPrefillWrite,
+    written: list[tuple[Any, Any, Any]],
+    direct: DraftPrefillDirect | None = None,
+) -> None:
+    """The first prefill the write took is checked; after a later one the draft state handed
+    on is stale."""
     if written and not prefill.checked:
-        _check_draft_prefill_write(worker, adapter, prefill, written)
+        _check_draft_prefill_write(worker, adapter, prefill, written, direct)
     elif written:
         adapter.draft_state_stale = True
-    return result
 
 
 def _prefill_without_draft_pass(
@@ -4608,11 +4635,8 @@ def _prefill_without_draft_pass(
             tokens, positions = direct.inputs(batch, next_token_ids)
             k, v = prefill.kv_write.write(tokens, target_hidden_states, positions, loc)
         except Exception as exc:  # SGLang's pass stores these slots over whatever it left
-            direct.broken = f"it raised {type(exc).__name__}: {exc}"
-            _rank0_logger(worker, logging.WARNING)(
-                f"[dynspec] direct draft prefill raised {type(exc).__name__}: {exc}; prefills "
-                "run SGLang's draft pass"
-            )
+            why = _prefill_lever_raised(worker, exc, "direct draft prefill", "run")
+            direct.broken = f"it raised {why}"
             return sglang()
         written.append((k, v, loc))
         if not prefill.checked:  # SGLang's pass stores the same slots again: compared below
@@ -4622,19 +4646,9 @@ def _prefill_without_draft_pass(
         batch.input_ids = tokens  # as SGLang's pass leaves it
         return direct.state(next_token_ids)
 
-    own = vars(draft).get(DRAFT_PREFILL_METHOD)  # one set on the instance stays
-    setattr(draft, DRAFT_PREFILL_METHOD, draft_pass)
-    try:
+    with _instance_attribute_set(draft, DRAFT_PREFILL_METHOD, draft_pass):
         result = _run_own_entry(worker, adapter, batch, kwargs)
-    finally:
-        if own is None:
-            delattr(draft, DRAFT_PREFILL_METHOD)  # the class's own again
-        else:
-            setattr(draft, DRAFT_PREFILL_METHOD, own)
-    if written and not prefill.checked:
-        _check_draft_prefill_write(worker, adapter, prefill, written, direct)
-    elif written:
-        adapter.draft_state_stale = True
+    _after_prefill_write(worker, adapter, prefill, written, direct)
     return result
 
 
