@@ -365,3 +365,27 @@ def test_a_draft_state_whose_root_is_not_the_next_token_is_not_made_here(shapes,
     adapter = adapter_of(world)
     assert adapter.draft_prefill_direct.broken == f"its {root} is not the target's next tokens"
     assert adapter.draft_prefill_write.checked
+
+
+def test_v1_keeps_the_write_inside_its_own_draft_pass(caplog):
+    """v1's prefill (``forward_draft_extend``) is not one built here: asked for, the direct
+    prefill says so once and the prefill write runs inside SGLang's pass."""
+    from tests.runtime.standins import World, give_draft_model, read_shape
+    from tests.runtime.test_draft_kv_write_v1 import draft_state
+
+    world = World(read_shape("0.5.12.post1", "v1"), threshold=2,
+                  speculative_disable_min_dwell_steps=1)
+    give_draft_model(world)
+    world.batch = world._make_batch(3, 10, 100)
+    draft_state(world.batch)
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        dyn.maybe_fallback_v1(world.worker, world.batch)
+        assert dyn.maybe_fallback_v1(world.worker, prefill_batch([3, 5], 6000)) is not None
+    adapter = adapter_of(world)
+    why = "only v2's draft pass (_draft_extend_for_prefill) is built here, not v1's"
+    assert adapter.draft_prefill_direct is None
+    assert adapter.draft_prefill_direct_note == f"SGLang's draft pass ({why})"
+    assert lines(caplog, "DRAFT_PREFILL_DIRECT") == [
+        f"[dynspec] DYNSPEC_DRAFT_PREFILL_DIRECT=1 not used: {why}"
+    ]
+    assert adapter.draft_prefill_write.checked

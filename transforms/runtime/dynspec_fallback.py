@@ -3095,7 +3095,7 @@ def _prepare_draft_prefill_direct(adapter: Adapter, worker: Any) -> None:
 def _draft_prefill_direct_refusal(adapter: Adapter, worker: Any) -> str:
     """Why a prefill here cannot skip SGLang's draft pass ("" where it can)."""
     if adapter.variant != "v2":
-        return "v1's prefill has no draft pass of its own to replace"
+        return f"only v2's draft pass ({DRAFT_PREFILL_METHOD}) is built here, not v1's"
     if adapter.draft_prefill_write is None:
         return f"it needs the prefill write ({adapter.draft_prefill_write_note})"
     method = getattr(type(getattr(worker, "draft_worker", None)), DRAFT_PREFILL_METHOD, None)
