@@ -2386,6 +2386,12 @@ def on_gpu_proven_release(
     return sglang_release(adapter.module_globals) in releases
 
 
+def lever_asked_for(env: str) -> bool:
+    """Whether the user turned the lever of ``env`` on (``1``), not only left it to its
+    default: where it then cannot run, that is worth a warning."""
+    return os.environ.get(env, "").strip() == "1"
+
+
 def lever_off_note(adapter: Adapter, env: str, releases: tuple[str, ...]) -> str:
     """"" where the lever of ``env`` runs on this server (``lever_on``, proven on
     ``releases``), else the note that says it is off and how to turn it on."""
@@ -3078,7 +3084,7 @@ def _prepare_draft_prefill_direct(adapter: Adapter, worker: Any) -> None:
     why = _draft_prefill_direct_refusal(adapter, worker)
     if why:
         adapter.draft_prefill_direct_note = f"SGLang's draft pass ({why})"
-        if os.environ.get(DRAFT_PREFILL_DIRECT_ENV, "").strip() == "1":
+        if lever_asked_for(DRAFT_PREFILL_DIRECT_ENV):
             _rank0_logger(worker, logging.WARNING)(
                 f"[dynspec] {DRAFT_PREFILL_DIRECT_ENV}=1 not used: {why}"
             )
@@ -3118,7 +3124,7 @@ def _prepare_draft_prefill_write(adapter: Adapter, worker: Any) -> None:
         return
     if adapter.draft_kv_write is None:
         adapter.draft_prefill_write_note = "SGLang's draft pass (no draft KV write)"
-        if os.environ.get(DRAFT_PREFILL_WRITE_ENV, "").strip() == "1":
+        if lever_asked_for(DRAFT_PREFILL_WRITE_ENV):
             _rank0_logger(worker, logging.WARNING)(
                 f"[dynspec] {DRAFT_PREFILL_WRITE_ENV}=1 not used: it needs the draft KV write "
                 f"({adapter.draft_kv_write_note}); prefills keep SGLang's draft pass"
