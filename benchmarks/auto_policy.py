@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     CostTable,
     DynSpecController,
     GoodputPolicy,
+    StepTokens,
     padded_batch_size,
 )
 
@@ -77,6 +79,7 @@ class Request:
     acceptance: float
     left: int
     rng: random.Random  # its own draws: every server sees the same requests
+    rid: int = 0  # as SGLang's: the controller's probes read each request's own tokens
 
 
 @dataclass
@@ -153,6 +156,7 @@ class Simulation:
         self.seed = seed
         self.rng = random.Random(seed)  # step-time noise
         self.stale = True  # no draft state yet: the first speculative step drafts first
+        self.rids = itertools.count()
 
     def level(
         self, region: str, conc: int, duration: float, olen: int, spread: float = 0.0
@@ -168,7 +172,7 @@ class Simulation:
             own = random.Random(f"{self.seed} {region} {conc} {client} {sent[client]}")
             sent[client] += 1
             length = round(olen * own.uniform(1.0 - spread, 1.0 + spread))
-            return Request(client, REGIONS[name], max(1, length), own)
+            return Request(client, REGIONS[name], max(1, length), own, next(self.rids))
 
         waiting = [new_request(k) for k in range(conc)]
         running: list[Request] = []
@@ -202,21 +206,21 @@ class Simulation:
             self.clock.next_ms = ms
             now_ms += ms
             spent["plain" if plain and timed else "drafting" if plain else "spec"] += ms
-            step_tokens = 0
+            each = []
             finished = []
             for request in running:
                 got = 1 if plain else 1 + accepted(request.rng, request.acceptance)
                 got = min(got, request.left)
                 request.left -= got
-                step_tokens += got
+                each.append(float(got))
                 if request.left == 0:
                     finished.append(request)
-            tokens += step_tokens
+            tokens += int(sum(each))
             if server.controller is not None and timed:
                 started = server.controller.start_step()
-                per_request = step_tokens / bs
-                reader = None if plain else (lambda value=per_request: value)
-                server.controller.finish_step(started, not plain, bs, reader)
+                read = StepTokens(sum(each) / bs, tuple(each))
+                reader = None if plain else (lambda value=read: value)
+                server.controller.finish_step(started, not plain, bs, reader, running)
             for request in finished:
                 running.remove(request)
                 if now_ms < duration * 1000.0:

@@ -51,3 +51,17 @@ def test_the_benchmark_prints_its_tables_and_worst_ratios():
     )
     assert "accept50: simulated output tok/s" in done.stdout
     assert "worst auto ÷ best fixed T" in done.stdout.splitlines()[-1]
+
+
+def test_at_a_steady_load_of_mixed_requests_auto_switches_once():
+    """Mixed traffic (0 / 50 / 90 % acceptance) at c = 16 after c = 1, where plain steps win:
+    auto leaves speculation once and stays (it switched three times in the first seconds
+    on every H100 server of 2026-12-06, a probe's plain mean calling speculation back)."""
+    sim = auto_policy.Simulation("auto", seed=1)
+    lines: list[str] = []
+    sim.server.controller.policy._log = lines.append
+    sim.level("mix", 1, 10.0, 128, 0.5)
+    lines.clear()
+    sim.level("mix", 16, 30.0, 128, 0.5)
+    at_16 = [line for line in lines if "at decode bs=16 " in line]
+    assert len(at_16) == 1 and "spec -> fallback" in at_16[0]

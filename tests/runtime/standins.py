@@ -258,10 +258,14 @@ class Recorder:
         return matches[0]
 
 
+_REQUEST_IDS = itertools.count()
+
+
 @dataclass
 class Req:
     max_new_tokens: int
     output_ids: list[int] = field(default_factory=list)
+    rid: str = field(default_factory=lambda: f"req-{next(_REQUEST_IDS)}")  # SGLang's request id
     finished_reason: str | None = None
     kv_committed_len: int = 0
     kv_allocated_len: int = 0

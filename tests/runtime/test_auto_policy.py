@@ -1,5 +1,6 @@
 """The ``auto`` decision core (GoodputPolicy) on synthetic cost tables: no torch, no time."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -13,10 +14,13 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     GoodputPolicy,
     Measurements,
     Snapshot,
+    StepTokens,
     _Measured,
     _same_load,
+    _Verified,
     padded_batch_size,
     parse_threshold,
+    speculating_tokens_per_step,
 )
 
 GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256]
@@ -88,16 +92,18 @@ def test_it_speculates_while_any_input_is_unknown():
 def test_a_snapshot_crosses_the_wire_unchanged_unknowns_included():
     """What rank 0 broadcasts is what every rank adopts: floats only, NaN for an unknown."""
     entries = {16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}
-    snapshot = Snapshot(2.5, CostTable(entries), 64, 320)
+    snapshot = Snapshot(2.5, CostTable(entries), 64, 320, tokens_of_stretch=True)
     wire = snapshot.to_wire()
     assert all(isinstance(x, float) for x in wire)
-    # tokens, their load, their requests, then the sizes in order
-    assert wire[:6] == [2.5, 64.0, 320.0, 1.0, 11.0, wire[5]] and math.isnan(wire[5])
+    # tokens, their load, their requests, a stretch's or not, then the sizes in order
+    assert wire[:7] == [2.5, 64.0, 320.0, 1.0, 1.0, 11.0, wire[6]] and math.isnan(wire[6])
     assert Snapshot.from_wire(wire) == snapshot
+    assert Snapshot.from_wire(dataclasses.replace(snapshot, tokens_of_stretch=False).to_wire())\
+        .tokens_of_stretch is False
     cold = Snapshot()  # nothing measured yet
-    tokens, load, requests = cold.to_wire()
-    assert math.isnan(tokens) and load == requests == 0.0
-    assert Snapshot.from_wire([tokens, load, requests]) == cold
+    tokens, load, requests, of_stretch = cold.to_wire()
+    assert math.isnan(tokens) and load == requests == of_stretch == 0.0
+    assert Snapshot.from_wire([tokens, load, requests, of_stretch]) == cold
 
 
 def test_in_fallback_only_an_acceptance_read_at_about_this_load_switches_back():
@@ -222,13 +228,14 @@ def test_probes_in_fallback_are_bounded_and_back_off():
     decisions = [policy.decide(64) for _ in range(20_000)]
     assert policy.in_fallback
     spec_steps = [i for i, fallback in enumerate(decisions) if not fallback]
-    # confirm_steps - 1 speculative steps, the switch, then one probe after 16, 32, ... 1024
-    # fallback steps, and every 1024 from then on.
+    # confirm_steps - 1 speculative steps, the switch, then a probe (2 steps of 64 requests)
+    # after 16, 32, ... 1024 fallback steps, and every 1024 from then on.
     assert spec_steps[: confirm - 1] == list(range(confirm - 1))
-    probes = spec_steps[confirm - 1 :]
-    gaps = [b - a for a, b in zip([confirm - 2, *probes], probes, strict=False)]
-    assert gaps[:7] == [16, 32, 64, 128, 256, 512, 1024]
-    assert set(gaps[7:]) == {1024}
+    probes = [i for i in spec_steps[confirm - 1 :] if decisions[i - 1]]
+    assert all(i + 1 in spec_steps and i + 2 not in spec_steps for i in probes)
+    gaps = [b - a for a, b in zip([confirm - 2 - 1, *probes], probes, strict=False)]
+    assert [gap - 1 for gap in gaps[:7]] == [16, 32, 64, 128, 256, 512, 1024]
+    assert set(gaps[7:]) == {1024 + 1}
     assert policy.n_probes == len(probes) <= 7 + 20_000 // 1024
 
 
@@ -367,8 +374,10 @@ def test_after_flapping_a_load_that_moves_2x_still_switches_within_the_dwell_ste
         assert modes.index(fallback) <= confirm - 1, bs
 
 
-def test_a_probe_runs_until_it_has_verified_64_requests_at_most_8_steps():
-    for bs, steps in ((128, 1), (64, 1), (32, 2), (16, 4), (8, 8), (4, 8), (1, 8)):
+def test_a_probe_runs_until_it_has_verified_64_requests_in_2_steps_or_more_at_most_8():
+    """Two steps at least: a request's own tokens per step is read over its steps
+    (``speculating_tokens_per_step``), and one step's 1 / tokens is biased."""
+    for bs, steps in ((128, 2), (64, 2), (32, 2), (16, 4), (8, 8), (4, 8), (1, 8)):
         policy = policy_with(1.0)  # plain wins everywhere: into fallback, then probes
         decisions = [policy.decide(bs) for _ in range(2000)]
         spec = [i for i, fallback in enumerate(decisions) if not fallback]
@@ -389,7 +398,7 @@ def test_a_probe_stops_when_the_load_moves_2x_and_one_at_the_new_load_follows():
     assert first[-2:] == [False, False] and all(first[:15])  # the probe at bs 8 began
     after = [policy.decide(128) for _ in range(40)]
     spec = [i for i, fallback in enumerate(after) if not fallback]
-    assert spec == [15]  # one step of 128 requests, 16 steps after the move
+    assert spec == [15, 16]  # two steps of 128 requests, 16 steps after the move
 
 
 def test_in_fallback_the_probe_gap_starts_again_when_the_load_moves_2x():
@@ -434,7 +443,7 @@ class StepCosts:
 
 
 def constant(value: float):
-    return lambda: value
+    return lambda: StepTokens(value)
 
 
 def drive(controller: AutoController, clock: StepCosts, loads, tokens_per_step):
@@ -941,11 +950,12 @@ def test_a_deferred_probe_speculates_at_the_next_step_instead():
         policy.decide(64)
     policy.defer_speculation()
     probes = policy.n_probes
-    assert [policy.decide(64) for _ in range(3)] == [False, True, True]
+    # the probe's second step, then the one it owes, then fallback again
+    assert [policy.decide(64) for _ in range(3)] == [False, False, True]
     assert policy.last_out_of_mode is False and policy.n_probes == probes
-    # the probe gaps go on from the probe as decided: the next one 32 steps after it
+    # the probe gaps go on from the probe as decided: the next one 32 steps after its end
     later = [policy.decide(64) for _ in range(40)]
-    assert later.index(False) == 32 - 1 - 3
+    assert later.index(False) == 32 - 3
 
 
 def test_a_deferred_multi_step_probe_still_runs_all_its_steps():
@@ -975,3 +985,127 @@ def test_nothing_is_owed_after_switching_back_to_speculation():
     policy.defer_speculation()  # a switch back whose first step ran plain
     decisions = [policy.decide(8) for _ in range(1100)]
     assert [i for i, fallback in enumerate(decisions) if fallback] == [1023]
+
+
+# -- what a probe reads: each request's own tokens per step, their harmonic mean ---------------
+
+
+def probe_steps(measurements: Measurements, readings, *, first_step=0, rids=None):
+    """Feed ``measurements`` a probe: ``readings[s][r]`` the tokens request ``r`` gave at its
+    step ``s`` (the batch's requests named ``rids``, default 0, 1, ...)."""
+    for i, each in enumerate(readings):
+        keys = tuple(rids or range(len(each)))
+        tokens = StepTokens(sum(each) / len(each), tuple(float(x) for x in each))
+        measurements.add(_Measured(first_step + i, True, len(each), len(each), 5.0,
+                                   constant_reading(tokens), in_fallback=True,
+                                   started=(first_step + i) * 1000, request_keys=keys))
+    measurements.resolve(first_step + len(readings))
+
+
+def constant_reading(tokens: StepTokens):
+    return lambda: tokens
+
+
+def test_a_probe_reads_the_harmonic_mean_of_its_requests_own_tokens_per_step():
+    """A speculating batch holds a request for a time inversely proportional to its tokens per
+    step: requests of 1, 2 and 4 tokens a step settle at 3 / (1 + 1/2 + 1/4), not their mean."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    probe_steps(measurements, [[1, 2, 4]] * 4)  # every reading alike: no variance to correct
+    assert measurements.tokens_per_step == pytest.approx(3 / (1 + 1 / 2 + 1 / 4))
+    assert speculating_tokens_per_step([_Verified(7.0, 3, 0, ((0, 1.0), (1, 2.0), (2, 4.0)))]) \
+        == pytest.approx(12 / 7)
+
+
+def test_without_each_requests_tokens_a_probe_reads_the_plain_mean():
+    """A worker that reports only the step's mean (v1 on 0.4.x), or a step without its
+    requests: the plain mean, as before."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(3, 7 / 3)] * 4, probe=True)
+    assert measurements.tokens_per_step == pytest.approx(7 / 3)
+
+
+def test_a_requests_steps_pool_by_its_id_across_the_probes_steps():
+    """Request "a" gives 1 then 3 tokens, "b" 2 and 2: each mean is 2, whatever the order the
+    batch lists them in (a finished request leaves, the rest move up)."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    probe_steps(measurements, [[1, 2]], rids=["a", "b"])
+    probe_steps(measurements, [[2, 3]], rids=["b", "a"], first_step=1)
+    # "a": mean 2, variance 2 over 2 readings: 1/2 - 2 / (2 * 8); "b": 1/2
+    assert measurements.tokens_per_step == pytest.approx(2 / (0.5 - 2 / 16 + 0.5))
+
+
+def test_on_mixed_traffic_a_probe_reads_what_speculating_settles_at_not_the_plain_mean():
+    """0 / 50 / 90 % acceptance, steps 3: tokens per step 1, 1.875 and 3.439; speculating
+    settles at the harmonic mean (1.58 over this batch), the plain mean is 2.1. Probes of 16
+    requests over 4 steps, and of 64 over 2 (their shortest), read it within 3 % on average
+    and each within 15 %, where 1 / one step's tokens would read it 10 % low."""
+    rng = random.Random(7)
+
+    def verify(p: float) -> float:
+        accepted = 0
+        while accepted < 3 and rng.random() < p:
+            accepted += 1
+        return 1.0 + accepted
+
+    def settles_at(ps) -> float:
+        def mean(p):
+            return sum((1 + n) * (p**n * (1 - p) if n < 3 else p**3) for n in range(4))
+        return len(ps) / sum(1 / mean(p) for p in ps)
+
+    for batch, steps in ((16, 4), (64, 2)):
+        ps = [(0.0, 0.5, 0.9)[i % 3] for i in range(batch)]
+        truth, reads = settles_at(ps), []
+        for _ in range(200):
+            measurements = Measurements(AutoConfig(), StepCosts())
+            probe_steps(measurements, [[verify(p) for p in ps] for _ in range(steps)])
+            reads.append(measurements.tokens_per_step)
+        assert sum(reads) / len(reads) == pytest.approx(truth, rel=0.03), batch
+        assert all(abs(r / truth - 1) < 0.15 for r in reads), batch
+        plain_mean = sum(1 + p + p * p + p**3 for p in ps) / batch
+        assert plain_mean > 1.25 * truth
+
+
+def test_after_a_switch_to_fallback_the_stretchs_late_steps_do_not_switch_back():
+    """Steps are read two or more steps late, so the stretch's last steps arrive after the
+    switch; if they read better (noise) they are the stretch's, not news: only a probe's
+    acceptance switches back (an H100, mixed traffic at c = 16: switched back 8 steps later)."""
+    policy = policy_with(1.0)
+    for _ in range(AutoConfig().confirm_steps):
+        policy.decide(16)
+    assert policy.in_fallback
+    policy.adopt(Snapshot(4.0, table(), 16, 256, tokens_of_stretch=True))
+    assert all(modes_through(policy, [16] * 12))  # in fallback: no probe due yet, no switch
+    policy.adopt(Snapshot(4.0, table(), 16, 256, tokens_of_stretch=False))  # a probe's
+    assert modes_through(policy, [16] * 12)[-1] is False  # back to speculation
+
+
+def test_a_measurements_snapshot_says_whether_its_acceptance_is_a_stretchs():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    assert not measurements.snapshot().tokens_of_stretch  # nothing read yet
+    verified(measurements, [(16, 2.0)] * 4)
+    assert measurements.snapshot().tokens_of_stretch
+    verified(measurements, [(16, 2.0)] * 4, probe=True, first_step=4)
+    assert not measurements.snapshot().tokens_of_stretch
+
+
+def test_a_composition_is_learned_only_where_the_probe_and_the_stretchs_end_share_a_load():
+    """A probe of one request at c = 1 that began a stretch ending at 16 requests: their ratio
+    is the load's, not a composition (it taught 0.83 on uniform traffic in the simulator)."""
+    measurements = Measurements(WINDOW_64, StepCosts())
+    verified(measurements, [(1, 2.1)] * 8, probe=True)
+    verified(measurements, [(16, 1.75)] * 8, first_step=8)
+    fallback_step(measurements, 16, requests=16)
+    assert measurements.composition == 1.0
+    verified(measurements, [(16, 2.1)] * 4, probe=True, first_step=17)
+    verified(measurements, [(16, 1.75)] * 8, first_step=21)
+    fallback_step(measurements, 29, requests=16)
+    assert measurements.composition == pytest.approx(1.75 / 2.1)
+
+
+def test_a_requests_corrected_tokens_per_step_stays_within_its_readings():
+    """The bias correction of 1 / mean, for readings far apart (a 7-step draft: 1 then 8
+    tokens), would credit the request more than its best step; it is held at that."""
+    one = [_Verified(9.0, 1, 0, (("a", 1.0),)), _Verified(9.0, 1, 0, (("a", 8.0),))]
+    assert speculating_tokens_per_step(one) == pytest.approx(8.0)
+    same = [_Verified(2.0, 1, 0, (("a", 2.0),))] * 3
+    assert speculating_tokens_per_step(same) == pytest.approx(2.0)

@@ -59,7 +59,8 @@ RANK = textwrap.dedent(
         clock.next_ms = step_ms(fallback, dyn.padded_batch_size(bs, sizes))
         started = controller.start_step()
         tokens = 2.4 if rank == 0 else 3.4  # acceptance read on each rank differs too
-        controller.finish_step(started, not fallback, bs, None if fallback else lambda: tokens)
+        reader = None if fallback else lambda: dyn.StepTokens(tokens)
+        controller.finish_step(started, not fallback, bs, reader)
         decisions.append(fallback)
     print(json.dumps({"decisions": decisions, "switches": controller.policy.n_switches,
                       "syncs": controller.n_syncs}), flush=True)

@@ -51,7 +51,11 @@ class SpecPath:
         elif self.adapter.tuple_arity is not None:
             result = ("logits", "tokens", 77, accepted, True)[: self.adapter.tuple_arity]
         else:
-            result = types.SimpleNamespace(**{self.adapter.name("gbr_count"): accepted})
+            fields = {self.adapter.name("gbr_count"): accepted}
+            per_request = self.adapter.names["gbr_per_req"]
+            if per_request is not None:  # the release's result says each request's drafts
+                fields[per_request] = [int(self.tokens_per_request - 1)] * BS
+            result = types.SimpleNamespace(**fields)
         self.calls.append((batch, result))
         self.ran = True
         return result
@@ -245,3 +249,40 @@ def test_auto_times_steps_by_the_clock_of_the_target_runners_device(caplog, devi
     assert type(adapter.controller.measurements.clock).__name__ == clock
     [line] = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
     assert f"measured online ({clock})" in line
+
+
+@pytest.mark.parametrize(("variant", "version"), CASES)
+def test_a_speculative_steps_reading_says_each_requests_tokens_where_the_worker_does(
+    variant, version
+):
+    """v2's ``accept_lens`` and v1's per-request drafts (0.5.x) give each request's tokens;
+    0.4.x's tuple gives the step's count alone: the mean, each unknown."""
+    import torch
+
+    w = world(variant, version, speculative_disable_batch_threshold="auto")
+    adapter = dyn._adapter_for(w.worker, variant)
+    drafts = [0, 1, 3, 3]
+    if variant == "v2":
+        result = types.SimpleNamespace(accept_lens=torch.tensor([1 + d for d in drafts]))
+    elif adapter.tuple_arity is not None:
+        result = ("logits", "tokens", 77, sum(drafts), True)[: adapter.tuple_arity]
+    else:
+        result = types.SimpleNamespace(**{adapter.name("gbr_count"): sum(drafts),
+                                          adapter.names["gbr_per_req"]: drafts})
+    reading = dyn._tokens_per_request_reader(adapter, result, len(drafts))()
+    assert reading.mean == pytest.approx(1 + sum(drafts) / len(drafts))
+    expected_each = None if adapter.tuple_arity is not None else (1.0, 2.0, 4.0, 4.0)
+    assert reading.each == expected_each
+
+
+def test_a_probe_step_keeps_its_requests_ids_and_a_speculating_step_does_not():
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    controller = dyn._adapter_for(w.worker, "v2").controller
+    reqs = w.batch.reqs
+    controller.finish_step(controller.start_step(), True, len(reqs), dyn._no_acceptance, reqs)
+    controller.policy.in_fallback = True
+    controller.finish_step(controller.start_step(), True, len(reqs), dyn._no_acceptance, reqs)
+    controller.finish_step(controller.start_step(), False, len(reqs), None, reqs)
+    keys = [m.request_keys for m in controller.measurements._pending]
+    assert keys == [None, tuple(req.rid for req in reqs), None]
+    assert len(set(keys[1])) == len(reqs)

@@ -606,7 +606,9 @@ def test_under_auto_a_probe_put_off_by_a_stale_draft_state_speculates_next(shape
     # plain steps win at this size, both costs known (no explore step): in fallback
     policy.adopt(dyn.Snapshot(1.0, dyn.CostTable({padded: (30.0, 10.0)})))
     policy.in_fallback, policy._gap_padded, policy._probe_gap = True, padded, 4
-    policy.config = dataclasses.replace(policy.config, probe_requests=1)  # one-step probes
+    policy.config = dataclasses.replace(  # one-step probes
+        policy.config, probe_requests=1, probe_steps_min=1
+    )
     world.worker.forward_batch_generation = lambda batch, **kwargs: "speculative result"
     results = [step(world, 3, 10 + i) for i in range(6)]
     # 1: checked (draft-extend); 2, 3: KV write; 4: the probe, run plain with the

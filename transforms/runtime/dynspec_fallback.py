@@ -89,7 +89,7 @@ import sys
 import textwrap
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -268,11 +268,13 @@ class AutoConfig:
     ``probe_gap_max``: in fallback, a speculative probe after this many fallback steps, the
     gap doubling after each probe (up to the cap) until speculation is back, and back to
     ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
-    ``probe_gap_max`` steps. ``probe_requests`` / ``probe_steps_max``: a speculative probe
-    runs consecutive steps until it has verified this many requests, at most that many steps,
-    and stops when the padded batch size moves 2x from the one it began at (a wave's first
-    requests probed alone, then the rest arrived: its steps would be speculative steps at the
-    full batch, each 3x a plain one at bs 128, and read another load's acceptance).
+    ``probe_gap_max`` steps. ``probe_requests`` / ``probe_steps_min`` / ``probe_steps_max``: a
+    speculative probe runs consecutive steps until it has verified this many requests and run
+    at least ``probe_steps_min`` steps (a request's own tokens per step is read over them), at
+    most ``probe_steps_max`` steps, and stops when the padded batch size moves 2x from the one
+    it began at (a wave's first requests probed alone, then the rest arrived: its steps would
+    be speculative steps at the full batch, each 3x a plain one at bs 128, and read another
+    load's acceptance).
     ``explore_gap``: while the table has no cost for the other mode at this batch size, one
     step of it every this many steps. ``sync_every``: rank 0's measurements become every
     rank's decision inputs at the decode steps that are multiples of this; ``lag_steps``: only
@@ -306,6 +308,7 @@ class AutoConfig:
     probe_gap: int = 16
     probe_gap_max: int = 1024
     probe_requests: int = 64
+    probe_steps_min: int = 2
     probe_steps_max: int = 8
     explore_gap: int = 8
     sync_every: int = 16
@@ -372,20 +375,23 @@ class Snapshot:
     ``tokens_per_step``: expected tokens per speculative step per request (1 + accepted
     drafts), None before the first verify step was read; ``tokens_load``: the padded batch
     size of the newest verify step it holds (0: none); ``tokens_requests``: the requests its
-    verify steps hold (a request counted once per step).
+    verify steps hold (a request counted once per step); ``tokens_of_stretch``: they are a
+    speculative stretch's, not a probe's (in fallback: the stretch before it).
     """
 
     tokens_per_step: float | None = None
     table: CostTable = dataclasses.field(default_factory=CostTable)
     tokens_load: int = 0
     tokens_requests: int = 0
+    tokens_of_stretch: bool = False
 
     def to_wire(self) -> list[float]:
-        """Floats for a broadcast: tokens, their load, their requests, then (bs, spec ms,
-        plain ms) rows; NaN for None."""
+        """Floats for a broadcast: tokens, their load, their requests, whether a stretch's,
+        then (bs, spec ms, plain ms) rows; NaN for None."""
         nan = float("nan")
         wire = [nan if self.tokens_per_step is None else self.tokens_per_step,
-                float(self.tokens_load), float(self.tokens_requests)]
+                float(self.tokens_load), float(self.tokens_requests),
+                float(self.tokens_of_stretch)]
         for bs, (spec, plain) in sorted(self.table.entries.items()):
             wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
         return wire
@@ -395,11 +401,11 @@ class Snapshot:
         def value(x: float) -> float | None:
             return None if x != x else float(x)  # NaN: unknown
 
-        rows = wire[3:]
+        rows = wire[4:]
         entries = {
             int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
         }
-        return cls(value(wire[0]), CostTable(entries), int(wire[1]), int(wire[2]))
+        return cls(value(wire[0]), CostTable(entries), int(wire[1]), int(wire[2]), bool(wire[3]))
 
 
 @dataclass(frozen=True)
@@ -535,9 +541,7 @@ class GoodputPolicy:
                 self._probe_gap = min(2 * self._probe_gap, self.config.probe_gap_max)
                 self.n_probes += 1
                 if self.in_fallback:
-                    per_step = max(1, batch_size)
-                    wanted = -(-self.config.probe_requests // per_step)
-                    self._probe_left = min(wanted, self.config.probe_steps_max) - 1
+                    self._probe_left = self._probe_steps(batch_size) - 1
         if self._deferred and (run_fallback or not self.in_fallback):
             run_fallback = run_fallback and not self.in_fallback
             self._deferred = False
@@ -553,6 +557,14 @@ class GoodputPolicy:
         that would run plain speculates instead, so a probe or an explore step is put off by
         one step, never lost. Once speculating again (a switch back), nothing is owed."""
         self._deferred = True
+
+    def _probe_steps(self, batch_size: int) -> int:
+        """A speculative probe's steps at ``batch_size``: enough to verify ``probe_requests``
+        requests, at least ``probe_steps_min`` (each request's own tokens per step is read
+        over them), at most ``probe_steps_max``."""
+        config = self.config
+        wanted = max(-(-config.probe_requests // max(1, batch_size)), config.probe_steps_min)
+        return min(wanted, config.probe_steps_max)
 
     def _wins_needed(self, padded: int) -> int:
         """``confirm_steps``, times ``flap_factor ** flaps`` at the load of the last switch."""
@@ -582,7 +594,8 @@ class GoodputPolicy:
         ahead = 1.0 + self.config.margin
         if self.in_fallback:
             return (
-                self._acceptance_is_of(est.padded)
+                not self.snapshot.tokens_of_stretch
+                and self._acceptance_is_of(est.padded)
                 and self._acceptance_is_enough(est.padded)
                 and est.spec_tok_s > est.plain_tok_s * ahead
             )
@@ -600,7 +613,7 @@ class GoodputPolicy:
         if not (self._at_last_switch_load(padded) and self._recent_flaps() > 0):
             return True
         config = self.config
-        probe = min(config.probe_requests, padded * config.probe_steps_max)
+        probe = padded * self._probe_steps(padded)
         needed = min(config.acceptance_requests, config.flap_factor * probe)
         return self.snapshot.tokens_requests >= needed
 
@@ -723,13 +736,23 @@ class _Measured:
     padded: int
     requests: int
     timing: Any
-    # Tokens per request of a speculative step, read when resolved (None: a fallback step).
-    tokens_per_request: Callable[[], float] | None
+    # A speculative step's tokens per request, read when resolved (None: a fallback step).
+    tokens_per_request: Callable[[], StepTokens] | None
     # Whether the policy was in fallback when the step ran: a speculative step then is a
     # probe (it re-measures acceptance outright); any step then ends a speculative stretch.
     in_fallback: bool = False
     # Requests that had begun decoding by this step (prefilled), counted from the start.
     started: int = 0
+    # A probe's requests, in batch order (their ``rid``s): None for any other step.
+    request_keys: tuple[Hashable, ...] | None = None
+
+
+class StepTokens(NamedTuple):
+    """One verify step's tokens per request (1 + accepted drafts): their mean, and each
+    request's in batch order where the worker reports them (None: the mean alone)."""
+
+    mean: float
+    each: tuple[float, ...] | None = None
 
 
 class _Verified(NamedTuple):
@@ -738,6 +761,41 @@ class _Verified(NamedTuple):
     tokens: float  # tokens over all its requests (1 + accepted drafts each)
     requests: int
     started: int  # ``_Measured.started``
+    # A probe's step: (request, its tokens) for each of its requests, where both are known.
+    each: tuple[tuple[Hashable, float], ...] | None = None
+
+
+def speculating_tokens_per_step(steps: Iterable[_Verified]) -> float:
+    """The tokens per request per step that speculating would settle at, from a fallback
+    batch's probe steps: the harmonic mean of each request's own mean over the steps.
+
+    A speculating batch holds each request for a time inversely proportional to its tokens
+    per step (Little's law), so it holds more of the low-acceptance requests than the batch
+    a probe samples in fallback, where every request lasts one step per token: a probe's
+    plain mean overstates it (mixed traffic of 0 / 50 / 90 % acceptance: the plain mean 2.1
+    tokens per step, a speculative stretch settles at the harmonic mean, 1.6). A request's
+    mean over a few steps is noisy, and 1 / mean is convex, so this reads a little low (a
+    50 %-acceptance request read over 4 steps: ~7 %): a bias toward plain steps.
+    """
+    readings: dict[Hashable, list[float]] = collections.defaultdict(list)
+    for step in steps:
+        assert step.each is not None  # the caller checked: every step has its requests'
+        for key, value in step.each:
+            readings[key].append(value)
+    return len(readings) / sum(_steps_per_token(values) for values in readings.values())
+
+
+def _steps_per_token(readings: list[float]) -> float:
+    """1 / a request's tokens per step, from its readings: 1 / their mean, less the
+    second-order bias of that (variance / (n * mean^3), 1 / x being convex) where there are
+    two or more; at least 1 / the largest reading, at most 1 (a verify gives 1 token or more)."""
+    n = len(readings)
+    mean = sum(readings) / n
+    estimate = 1.0 / mean
+    if n > 1:
+        variance = sum((x - mean) ** 2 for x in readings) / (n - 1)
+        estimate -= variance / (n * mean**3)
+    return min(1.0, max(1.0 / max(readings), estimate))
 
 
 class Measurements:
@@ -753,14 +811,18 @@ class Measurements:
     so far read more than ``probe_change`` off; a probe that agrees with the probes before it at
     about their load joins them, so the window spans several probes.
 
-    A probe overstates what speculating would give when requests differ in acceptance:
-    speculation finishes the high-acceptance requests sooner, so a speculating batch holds
-    more of the low-acceptance ones than the batch a probe samples in fallback, where every
-    request lasts one step per token (mixed traffic with 0 / 50 / 90 % acceptance: a probe
-    reads the plain mean, 2.1 tokens per step, a speculative stretch settles at the harmonic
-    mean, 1.6). So each speculative stretch entered from a probe records how its acceptance
-    ended against the probe that started it, ``composition`` (1 where they agree), and a
-    probe's acceptance counts times that until the next stretch measures it again: on a probe
+    A probe's plain mean overstates what speculating would give when requests differ in
+    acceptance: speculation finishes the high-acceptance requests sooner, so a speculating
+    batch holds more of the low-acceptance ones than the batch a probe samples in fallback
+    (mixed traffic with 0 / 50 / 90 % acceptance: a probe's plain mean 2.1 tokens per step, a
+    speculative stretch settles at 1.6). So a probe whose steps say which request gave which
+    tokens reads ``speculating_tokens_per_step``, the harmonic mean of its requests' own means
+    (an H100 at 16 mixed requests, 2026-12-06: the plain mean 2.09 switched back to speculation
+    and the stretch settled at 1.28, three switches in a 10-s level on every such server). And
+    each speculative stretch entered from a probe records how its acceptance ended against the
+    probe that started it, ``composition`` (1 where they agree), and a probe's acceptance
+    counts times that until the next stretch measures it again (what the harmonic mean does
+    not foresee: acceptance that goes with length, a worker that reports only the mean): on a probe
     of ``composition_min_batch`` requests or more at any load (the ratio is the traffic's),
     on fewer only at about the load it was learned at (within 2x; a few requests' acceptance
     is their own: a mixed load of 128 that turns into one request must speculate again at
@@ -785,6 +847,7 @@ class Measurements:
         self._from_probe = False  # the window holds a probe's steps (no stretch since)
         self._in_stretch = False
         self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
+        self._stretch_entry_load = 0  # the padded batch size that probe read it at
         self.composition = 1.0
         self._composition_load = 0  # the padded batch size the composition was learned at
         self._padded = 0  # the padded batch size of the newest verify step
@@ -811,21 +874,14 @@ class Measurements:
                 )
                 window.append(ms)
             if measured.tokens_per_request is not None:
-                self._add_acceptance(
-                    measured.tokens_per_request(),
-                    measured.requests,
-                    measured.padded,
-                    measured.in_fallback,
-                    measured.started,
-                )
+                self._add_acceptance(measured, measured.tokens_per_request())
             elif measured.in_fallback:
                 self._in_probe = False  # a fallback step ends a probe
                 self._end_stretch()
         self._pending = keep
 
-    def _add_acceptance(
-        self, tokens_per_request: float, requests: int, padded: int, probe: bool, started: int
-    ) -> None:
+    def _add_acceptance(self, measured: _Measured, reading: StepTokens) -> None:
+        requests, padded, probe = measured.requests, measured.padded, measured.in_fallback
         starts_probe = probe and not self._in_probe
         read_at = self._padded
         self._in_probe = probe
@@ -834,10 +890,14 @@ class Measurements:
         elif not self._in_stretch:
             self._in_stretch = True
             self._stretch_entry = self._raw if self._from_probe else None
+            self._stretch_entry_load = read_at
             self._from_probe = False
         self._padded = padded
-        if tokens_per_request > 0 and requests > 0:
-            entry = _Verified(tokens_per_request * requests, requests, started)
+        if reading.mean > 0 and requests > 0:
+            keys, each = measured.request_keys, reading.each
+            known = probe and keys is not None and each is not None and len(keys) == len(each)
+            per_request = tuple(zip(keys, each, strict=True)) if known else None
+            entry = _Verified(reading.mean * requests, requests, measured.started, per_request)
             if probe:
                 if starts_probe:
                     poolable = self._from_probe and _same_load(padded, read_at)
@@ -851,8 +911,15 @@ class Measurements:
                 self._held += entry.requests
                 self._tokens += entry.tokens
             self._trim_window()
-            self._raw = self._tokens / self._held
+            self._raw = self._window_reading(self._verified)
         self._publish()
+
+    def _window_reading(self, steps: Collection[_Verified]) -> float:
+        """Tokens per request per step of these verify steps: probe steps that say which
+        request gave which tokens, ``speculating_tokens_per_step``; else their plain mean."""
+        if self._from_probe and all(step.each for step in steps):
+            return speculating_tokens_per_step(steps)
+        return sum(step.tokens for step in steps) / sum(step.requests for step in steps)
 
     def _trim_window(self) -> None:
         """Drop the oldest verify steps the newer ones do without: while the rest still hold
@@ -881,10 +948,9 @@ class Measurements:
         alone (at bs 1 a step is one request's one verify: 1 token or 4 at 50 % acceptance)."""
         steps = self._probe_steps
         if self._before_probe:
-            mean = sum(v.tokens for v in steps) / sum(v.requests for v in steps)
             before = self._before_probe
-            pooled = sum(v.tokens for v in before) / sum(v.requests for v in before)
-            if abs(mean / pooled - 1.0) <= self.config.probe_change:
+            reading, pooled = self._window_reading(steps), self._window_reading(before)
+            if abs(reading / pooled - 1.0) <= self.config.probe_change:
                 return before + steps
         return list(steps)
 
@@ -892,7 +958,8 @@ class Measurements:
         if not self._in_stretch:
             return
         self._in_stretch = False
-        if self._stretch_entry and self._raw and self._newest_is_a_batch():
+        at_entry_load = _same_load(self._padded, self._stretch_entry_load)
+        if self._stretch_entry and self._raw and self._newest_is_a_batch() and at_entry_load:
             low, high = self.config.composition_bounds
             self.composition = min(high, max(low, self._raw / self._stretch_entry))
             self._composition_load = self._padded
@@ -918,7 +985,13 @@ class Measurements:
             spec, plain = entries.get(padded, (None, None))
             median = float(sorted(window)[len(window) // 2])
             entries[padded] = (median, plain) if speculative else (spec, median)
-        return Snapshot(self.tokens_per_step, CostTable(entries), self._padded, self._held)
+        return Snapshot(
+            self.tokens_per_step,
+            CostTable(entries),
+            self._padded,
+            self._held,
+            tokens_of_stretch=self._raw is not None and not self._from_probe,
+        )
 
 
 def broadcast_from_first_rank(cpu_group: Any) -> Callable[[Snapshot | None], Snapshot]:
@@ -1009,11 +1082,16 @@ class AutoController:
         started: Any,
         speculative: bool,
         batch_size: int,
-        tokens_per_request: Callable[[], float] | None = None,
+        tokens_per_request: Callable[[], StepTokens] | None = None,
+        requests: Sequence[Any] = (),
     ) -> None:
-        """Mark its end; ``tokens_per_request`` reads a speculative step's acceptance later."""
+        """Mark its end; ``tokens_per_request`` reads a speculative step's acceptance later;
+        ``requests``: the batch's (SGLang's ``Req``s, in batch order), whose ``rid``s a probe
+        keeps to read each request's own tokens per step."""
         if not self.source:
             return
+        probe = speculative and self.policy.in_fallback
+        keys = tuple(req.rid for req in requests) if probe and requests else None
         clock = self.measurements.clock
         self.measurements.add(
             _Measured(
@@ -1025,6 +1103,7 @@ class AutoController:
                 tokens_per_request=tokens_per_request if speculative else None,
                 in_fallback=self.policy.in_fallback,
                 started=self.n_started,
+                request_keys=keys,
             )
         )
 
@@ -3800,13 +3879,14 @@ def _auto_finish(
     adapter: Adapter,
     started: Any,
     batch_size: int,
-    tokens_per_request: Callable[[], float] | None = None,
+    tokens_per_request: Callable[[], StepTokens] | None = None,
+    requests: Sequence[Any] = (),
 ) -> None:
     """End the timing of an ``auto`` step: speculative when it has an acceptance reader."""
     controller = adapter.controller
     if isinstance(controller, AutoController):
         speculative = tokens_per_request is not None
-        controller.finish_step(started, speculative, batch_size, tokens_per_request)
+        controller.finish_step(started, speculative, batch_size, tokens_per_request, requests)
 
 
 def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
@@ -3819,7 +3899,7 @@ def _auto_spec_step(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str,
     result = _run_own_entry(worker, adapter, batch, kwargs)
     source = adapter.controller.source
     reader = _tokens_per_request_reader(adapter, result, bs) if source else _no_acceptance
-    _auto_finish(adapter, started, bs, reader)
+    _auto_finish(adapter, started, bs, reader, batch.reqs)
     return result
 
 
@@ -3847,26 +3927,38 @@ def _needs_a_fresh_draft_state(adapter: Adapter) -> bool:
     return True
 
 
-def _no_acceptance() -> float:
+def _no_acceptance() -> StepTokens:
     """A speculative step whose acceptance cannot be read (0: the measurements skip it)."""
-    return 0.0
+    return StepTokens(0.0)
 
 
-def _tokens_per_request_reader(adapter: Adapter, result: Any, bs: int) -> Callable[[], float]:
+def _step_tokens(each: list[float]) -> StepTokens:
+    return StepTokens(sum(each) / len(each), tuple(each))
+
+
+def _tokens_per_request_reader(
+    adapter: Adapter, result: Any, bs: int
+) -> Callable[[], StepTokens]:
     """Reads a speculative step's tokens per request (1 + accepted drafts) once it is done.
 
-    v1 counts accepted drafts on the host (the tuple's 4th item, or the result's count); v2's
-    ``accept_lens`` (bonus included) is a device tensor: its sum is copied to pinned host
-    memory behind an event, read at a later sync step, never waited for inside a step.
+    v1 counts accepted drafts on the host (the tuple's 4th item, or the result's count, and
+    each request's where the release's result has them, ``gbr_per_req``); v2's
+    ``accept_lens`` (bonus included, one per request) is a device tensor: it is copied to
+    pinned host memory behind an event, read at a later sync step, never waited for inside a
+    step.
     """
     if bs <= 0 or result is None:
         return _no_acceptance
     if adapter.variant == "v1":
         if isinstance(result, tuple):  # 0.4.x: (logits, tokens, bid, accepted drafts, ...)
-            count = result[3]
+            tokens = StepTokens(1.0 + float(result[3]) / bs)
+            return lambda: tokens
+        per_request = adapter.names["gbr_per_req"]
+        drafts = getattr(result, per_request) if per_request is not None else None
+        if drafts is not None and len(drafts) == bs:
+            tokens = _step_tokens([1.0 + float(n) for n in drafts])
         else:
-            count = getattr(result, adapter.name("gbr_count"))
-        tokens = 1.0 + float(count) / bs
+            tokens = StepTokens(1.0 + float(getattr(result, adapter.name("gbr_count"))) / bs)
         return lambda: tokens
     accept_lens = getattr(result, "accept_lens", None)
     if accept_lens is None:
@@ -3874,18 +3966,17 @@ def _tokens_per_request_reader(adapter: Adapter, result: Any, bs: int) -> Callab
     if getattr(accept_lens, "is_cuda", False):
         import torch
 
-        total = accept_lens.sum()
-        host = torch.empty((), dtype=total.dtype, pin_memory=True)
-        host.copy_(total, non_blocking=True)
+        host = torch.empty((bs,), dtype=accept_lens.dtype, pin_memory=True)
+        host.copy_(accept_lens[:bs], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
 
-        def read() -> float:
+        def read() -> StepTokens:
             done.synchronize()
-            return float(host) / bs
+            return _step_tokens([float(n) for n in host.tolist()])
 
         return read
-    tokens = float(accept_lens.sum()) / bs
+    tokens = _step_tokens([float(n) for n in accept_lens[:bs].tolist()])
     return lambda: tokens
 
 
