@@ -1109,3 +1109,24 @@ def test_a_requests_corrected_tokens_per_step_stays_within_its_readings():
     assert speculating_tokens_per_step(one) == pytest.approx(8.0)
     same = [_Verified(2.0, 1, 0, (("a", 2.0),))] * 3
     assert speculating_tokens_per_step(same) == pytest.approx(2.0)
+
+
+def test_the_first_probe_read_by_request_is_logged_once_with_each_requests_readings():
+    """On a real server the log shows how a probe read: each request's tokens per step (one
+    digit a step), what they say speculating settles at, and the plain mean."""
+    lines: list[str] = []
+    measurements = Measurements(AutoConfig(), StepCosts(), lines.append)
+    probe_steps(measurements, [[1] * 6 + [4]] * 2)  # 7 requests of two readings: too few
+    fallback_step(measurements, 2, requests=8)
+    assert lines == []
+    probe_steps(measurements, [[1, 1, 1, 1, 2, 2, 4, 4]] * 2, first_step=3,
+                rids=[f"r{i}" for i in range(8)])
+    fallback_step(measurements, 5, requests=8)
+    probe_steps(measurements, [[4] * 8] * 2, first_step=6)
+    fallback_step(measurements, 8, requests=8)
+    harmonic = 8 / (4 * 1 + 2 * 0.5 + 2 * 0.25)
+    assert lines == [
+        "[dynspec] auto: the first probe read by request (8 requests, 2 steps; each request's "
+        "tokens per step: 11 11 11 11 22 22 44 44): speculating would settle at "
+        f"{harmonic:.2f} tokens per step, the fallback batch's plain mean is 2.00"
+    ]

@@ -829,9 +829,13 @@ class Measurements:
     once).
     """
 
-    def __init__(self, config: AutoConfig, clock: Any) -> None:
+    def __init__(
+        self, config: AutoConfig, clock: Any, log: Callable[[str], None] | None = None
+    ) -> None:
         self.config = config
         self.clock = clock
+        self._log = log
+        self._probe_shown = False  # the first probe read by request was logged
         self.tokens_per_step: float | None = None
         # The newest verify steps, newest last, with their requests and tokens in all, and
         # their mean
@@ -876,6 +880,8 @@ class Measurements:
             if measured.tokens_per_request is not None:
                 self._add_acceptance(measured, measured.tokens_per_request())
             elif measured.in_fallback:
+                if self._in_probe:
+                    self._show_first_probe()
                 self._in_probe = False  # a fallback step ends a probe
                 self._end_stretch()
         self._pending = keep
@@ -920,6 +926,35 @@ class Measurements:
         if self._from_probe and all(step.each for step in steps):
             return speculating_tokens_per_step(steps)
         return sum(step.tokens for step in steps) / sum(step.requests for step in steps)
+
+    def _show_first_probe(self) -> None:
+        """Log, once, the first probe read by request (``composition_min_batch`` requests or
+        more with two readings or more): each request's tokens per step, what they say
+        speculating would settle at and the batch's plain mean, so a real server shows how
+        its probes read."""
+        steps = self._probe_steps
+        if self._log is None or self._probe_shown or not steps:
+            return
+        if not all(step.each for step in steps):
+            return
+        readings: dict[Hashable, list[float]] = collections.defaultdict(list)
+        for step in steps:
+            assert step.each is not None
+            for key, value in step.each:
+                readings[key].append(value)
+        if sum(len(v) >= 2 for v in readings.values()) < self.config.composition_min_batch:
+            return
+        self._probe_shown = True
+        each = " ".join(
+            "".join(str(int(x)) if x < 10 else "+" for x in values) for values in readings.values()
+        )
+        plain = sum(step.tokens for step in steps) / sum(step.requests for step in steps)
+        self._log(
+            f"[dynspec] auto: the first probe read by request ({len(readings)} requests, "
+            f"{len(steps)} steps; each request's tokens per step: {each}): speculating would "
+            f"settle at {speculating_tokens_per_step(steps):.2f} tokens per step, the "
+            f"fallback batch's plain mean is {plain:.2f}"
+        )
 
     def _trim_window(self) -> None:
         """Drop the oldest verify steps the newer ones do without: while the rest still hold
@@ -1039,7 +1074,7 @@ class AutoController:
         self.policy = policy
         self.source = source
         self._share = share
-        self.measurements = Measurements(policy.config, clock or HostClock())
+        self.measurements = Measurements(policy.config, clock or HostClock(), policy._log)
         self.metrics = metrics
         self.n_syncs = 0
         self.n_started = 0  # requests prefilled so far (source rank only)
