@@ -778,12 +778,27 @@ def speculating_tokens_per_step(steps: Iterable[_Verified]) -> float:
     50 %-acceptance request over 4 steps: ~7 %, over 2: ~14 %); ``_steps_per_token`` takes
     off that bias's second-order term (over 2 steps then within ~5 %, over 4 within ~1.5 %).
     """
+    readings = _readings_by_request(steps)
+    return len(readings) / sum(_steps_per_token(values) for values in readings.values())
+
+
+def _readings_by_request(steps: Iterable[_Verified]) -> dict[Hashable, list[float]]:
+    """Each request's tokens at each of these probe steps it was in, in step order."""
     readings: dict[Hashable, list[float]] = collections.defaultdict(list)
     for step in steps:
         assert step.each is not None  # the caller checked: every step has its requests'
         for key, value in step.each:
             readings[key].append(value)
-    return len(readings) / sum(_steps_per_token(values) for values in readings.values())
+    return readings
+
+
+def _plain_mean(steps: Iterable[_Verified]) -> float:
+    """Tokens per request over these verify steps, every request-step alike."""
+    tokens = requests = 0.0
+    for step in steps:
+        tokens += step.tokens
+        requests += step.requests
+    return tokens / requests
 
 
 def _steps_per_token(readings: list[float]) -> float:
@@ -918,15 +933,23 @@ class Measurements:
                 self._held += entry.requests
                 self._tokens += entry.tokens
             self._trim_window()
-            self._raw = self._window_reading(self._verified)
+            window = self._verified
+            if self._reads_by_request(window):
+                self._raw = speculating_tokens_per_step(window)
+            else:  # the running sums: a stretch's window can hold 1024 steps
+                self._raw = self._tokens / self._held
         self._publish()
+
+    def _reads_by_request(self, steps: Collection[_Verified]) -> bool:
+        """Whether these are probe steps that say which request gave which tokens."""
+        return self._from_probe and all(step.each for step in steps)
 
     def _window_reading(self, steps: Collection[_Verified]) -> float:
         """Tokens per request per step of these verify steps: probe steps that say which
         request gave which tokens, ``speculating_tokens_per_step``; else their plain mean."""
-        if self._from_probe and all(step.each for step in steps):
+        if self._reads_by_request(steps):
             return speculating_tokens_per_step(steps)
-        return sum(step.tokens for step in steps) / sum(step.requests for step in steps)
+        return _plain_mean(steps)
 
     def _show_first_probe(self) -> None:
         """Log, once, the first probe read by request (``composition_min_batch`` requests or
@@ -938,18 +961,14 @@ class Measurements:
             return
         if not all(step.each for step in steps):
             return
-        readings: dict[Hashable, list[float]] = collections.defaultdict(list)
-        for step in steps:
-            assert step.each is not None
-            for key, value in step.each:
-                readings[key].append(value)
+        readings = _readings_by_request(steps)
         if sum(len(v) >= 2 for v in readings.values()) < self.config.composition_min_batch:
             return
         self._probe_shown = True
         each = " ".join(
             "".join(str(int(x)) if x < 10 else "+" for x in values) for values in readings.values()
         )
-        plain = sum(step.tokens for step in steps) / sum(step.requests for step in steps)
+        plain = _plain_mean(steps)
         self._log(
             f"[dynspec] auto: the first probe read by request ({len(readings)} requests, "
             f"{len(steps)} steps; each request's tokens per step: {each}): speculating would "
