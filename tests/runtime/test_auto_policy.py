@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 
@@ -1006,10 +1007,14 @@ def constant_reading(tokens: StepTokens):
     return lambda: tokens
 
 
+POINT_ESTIMATE = AutoConfig(probe_confidence=0.0)
+
+
 def test_a_probe_reads_the_harmonic_mean_of_its_requests_own_tokens_per_step():
     """A speculating batch holds a request for a time inversely proportional to its tokens per
-    step: requests of 1, 2 and 4 tokens a step settle at 3 / (1 + 1/2 + 1/4), not their mean."""
-    measurements = Measurements(AutoConfig(), StepCosts())
+    step: requests of 1, 2 and 4 tokens a step settle at 3 / (1 + 1/2 + 1/4), not their mean
+    (the estimate itself: ``probe_confidence`` 0, no sampling error taken off)."""
+    measurements = Measurements(POINT_ESTIMATE, StepCosts())
     probe_steps(measurements, [[1, 2, 4]] * 4)  # every reading alike: no variance to correct
     assert measurements.tokens_per_step == pytest.approx(3 / (1 + 1 / 2 + 1 / 4))
     assert speculating_tokens_per_step([_Verified(7.0, 3, 0, ((0, 1.0), (1, 2.0), (2, 4.0)))]) \
@@ -1027,7 +1032,7 @@ def test_without_each_requests_tokens_a_probe_reads_the_plain_mean():
 def test_a_requests_steps_pool_by_its_id_across_the_probes_steps():
     """Request "a" gives 1 then 3 tokens, "b" 2 and 2: each mean is 2, whatever the order the
     batch lists them in (a finished request leaves, the rest move up)."""
-    measurements = Measurements(AutoConfig(), StepCosts())
+    measurements = Measurements(POINT_ESTIMATE, StepCosts())
     probe_steps(measurements, [[1, 2]], rids=["a", "b"])
     probe_steps(measurements, [[2, 3]], rids=["b", "a"], first_step=1)
     # "a": mean 2, variance 2 over 2 readings: 1/2 - 2 / (2 * 8); "b": 1/2
@@ -1056,7 +1061,7 @@ def test_on_mixed_traffic_a_probe_reads_what_speculating_settles_at_not_the_plai
         ps = [(0.0, 0.5, 0.9)[i % 3] for i in range(batch)]
         truth, reads = settles_at(ps), []
         for _ in range(200):
-            measurements = Measurements(AutoConfig(), StepCosts())
+            measurements = Measurements(POINT_ESTIMATE, StepCosts())
             probe_steps(measurements, [[verify(p) for p in ps] for _ in range(steps)])
             reads.append(measurements.tokens_per_step)
         assert sum(reads) / len(reads) == pytest.approx(truth, rel=0.03), batch
@@ -1124,9 +1129,46 @@ def test_the_first_probe_read_by_request_is_logged_once_with_each_requests_readi
     fallback_step(measurements, 5, requests=8)
     probe_steps(measurements, [[4] * 8] * 2, first_step=6)
     fallback_step(measurements, 8, requests=8)
-    harmonic = 8 / (4 * 1 + 2 * 0.5 + 2 * 0.25)
+    steps_per_token = [1.0] * 4 + [0.5] * 2 + [0.25] * 2
+    harmonic = 8 / sum(steps_per_token)
+    bound = 1 / (1 / harmonic + 2 * statistics.stdev(steps_per_token) / math.sqrt(8))
     assert lines == [
         "[dynspec] auto: the first probe read by request (8 requests, 2 steps; each request's "
         "tokens per step: 11 11 11 11 22 22 44 44): speculating would settle at "
-        f"{harmonic:.2f} tokens per step, the fallback batch's plain mean is 2.00"
+        f"{harmonic:.2f} tokens per step, at least {bound:.2f} within 2 standard errors; the "
+        "fallback batch's plain mean is 2.00"
     ]
+
+
+def test_a_probe_counts_at_its_estimate_less_two_standard_errors_of_its_requests_mean():
+    """A probe of 16 mixed requests over 4 steps reads what speculating settles at within ~17 %
+    (the simulator), and a probe one standard deviation high called speculation back at c = 16
+    every few probes where plain steps win by 5-9 %. So a probe counts at 1 / (its requests'
+    mean steps per token + 2 standard errors of that mean): their spread over their number;
+    requests alike, none; one request, the spread of its readings (the delta method)."""
+    mixed = Measurements(AutoConfig(), StepCosts())
+    probe_steps(mixed, [[1] * 6 + [2] * 5 + [4] * 5] * 4)
+    steps_per_token = [1.0] * 6 + [0.5] * 5 + [0.25] * 5
+    mean = sum(steps_per_token) / 16
+    assert mixed.tokens_per_step == pytest.approx(
+        1 / (mean + 2 * statistics.stdev(steps_per_token) / 4)
+    )
+    assert mixed.tokens_per_step < 0.8 / mean  # the estimate itself: 1 / mean
+
+    alike = Measurements(AutoConfig(), StepCosts())
+    probe_steps(alike, [[2] * 16] * 4)
+    assert alike.tokens_per_step == pytest.approx(2.0)
+
+    one = Measurements(AutoConfig(), StepCosts())
+    probe_steps(one, [[1], [3], [1], [3]])
+    variance = statistics.variance([1, 3, 1, 3])  # 4/3 about a mean of 2, over 4 readings
+    steps = 1 / 2 - variance / (4 * 2**3)  # 1 / mean less its bias, as the estimate
+    assert one.tokens_per_step == pytest.approx(1 / (steps + 2 * math.sqrt(variance / (4 * 2**4))))
+
+
+def test_a_stretch_after_a_probe_counts_at_its_own_mean_with_no_error_taken_off():
+    """The bound is a probe's: once speculating, the stretch's steps are read by their mean."""
+    measurements = Measurements(WINDOW_64, StepCosts())
+    probe_steps(measurements, [[1] * 6 + [2] * 5 + [4] * 5] * 4)
+    verified(measurements, [(16, 1.75)] * 8, first_step=4)
+    assert measurements.tokens_per_step == pytest.approx(1.75)
