@@ -538,7 +538,11 @@ def test_the_start_benchmark_prints_both_starts_side_by_side():
     assert [row.split("|")[1].strip() for row in rows] == ["4", "8"]
     for row in rows:
         first, both, ratio = (float(x) for x in row.split("|")[2:5])
-        assert first > 0 and both > 0 and ratio == pytest.approx(both / first, rel=0.05, abs=0.01)
+        assert first > 0.005 and both > 0
+        # each figure is printed to 0.01, so within 0.005 of the value it was computed from
+        # (CI once printed 0.32 / 0.10 / 0.33: 0.10 / 0.32 is 0.3125)
+        low, high = (both - 0.005) / (first + 0.005), (both + 0.005) / (first - 0.005)
+        assert low - 0.005 <= ratio <= high + 0.005
 
 
 def test_a_server_that_refuses_the_early_connection_is_reported_by_the_first_request():
