@@ -5,6 +5,7 @@ import itertools
 import math
 import random
 import statistics
+import types
 
 import pytest
 
@@ -1172,3 +1173,37 @@ def test_a_stretch_after_a_probe_counts_at_its_own_mean_with_no_error_taken_off(
     probe_steps(measurements, [[1] * 6 + [2] * 5 + [4] * 5] * 4)
     verified(measurements, [(16, 1.75)] * 8, first_step=4)
     assert measurements.tokens_per_step == pytest.approx(1.75)
+
+
+def test_a_switch_back_logs_the_probes_that_called_it_each_request_read_by_itself():
+    """A switch back on a high probe is the decision a real server got wrong (an H100 at
+    c = 16, 2026-12-06: back on a bound of 1.75 tokens per step, the stretch read 1.61), so
+    the probes behind each switch back are logged by request, as the first probe is."""
+
+    def switch_back(requests) -> list[str]:
+        clock = StepCosts()
+        policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES)
+        controller = AutoController(policy, source=True, clock=clock)
+        lines: list[str] = []
+        controller.measurements._log = lines.append
+        for step in range(3000):  # bs 64: plain steps win at 2 tokens a step, speculation at 4
+            tokens = 2.0 if step < 1000 else 4.0
+            fallback = controller.decide(64)
+            clock.next_ms = plain_ms(64) if fallback else spec_ms(64)
+            started = controller.start_step()
+            reading = StepTokens(tokens, (tokens,) * 64)
+            reader = None if fallback else (lambda value=reading: value)
+            controller.finish_step(started, not fallback, 64, reader, requests)
+        assert policy.n_switches == 2  # to plain steps, and back on the rise
+        return [line for line in lines if "called speculation back" in line]
+
+    assert switch_back(()) == []  # probes read by their mean alone: nothing by request to show
+    [back] = switch_back([types.SimpleNamespace(rid=f"r{i}") for i in range(64)])
+    head, rows = back.split("each request's tokens per step: ")
+    assert head.startswith(
+        "[dynspec] auto: the probes that called speculation back read by request (64 requests, "
+    )
+    rows, tail = rows.split("): ")
+    assert len(rows.split()) == 64 and set(rows.replace(" ", "")) == {"4"}
+    assert tail == ("speculating would settle at 4.00 tokens per step, at least 4.00 within 2 "
+                    "standard errors; the fallback batch's plain mean is 4.00")

@@ -987,9 +987,7 @@ class Measurements:
 
     def _show_first_probe(self) -> None:
         """Log, once, the first probe read by request (``composition_min_batch`` requests or
-        more with two readings or more): each request's tokens per step, what they say
-        speculating would settle at (and the bound it counts at) and the batch's plain mean,
-        so a real server shows how its probes read."""
+        more with two readings or more), so a real server shows how its probes read."""
         steps = self._probe_steps
         if self._log is None or self._probe_shown or not steps:
             return
@@ -999,12 +997,25 @@ class Measurements:
         if sum(len(v) >= 2 for v in readings.values()) < self.config.composition_min_batch:
             return
         self._probe_shown = True
+        self._show_by_request("the first probe", steps)
+
+    def show_probes_that_switched_back(self) -> None:
+        """Log the probes whose acceptance just called speculation back, where they read by
+        request (a switch back on a high probe is the one a real server gets wrong)."""
+        if self._log is not None and self._verified and self._reads_by_request(self._verified):
+            self._show_by_request("the probes that called speculation back", self._verified)
+
+    def _show_by_request(self, what: str, steps: Collection[_Verified]) -> None:
+        """One line: each request's tokens per step (a digit a step), what they say speculating
+        would settle at, the bound it counts at and the batch's plain mean."""
+        assert self._log is not None
+        readings = _readings_by_request(steps)
         each = " ".join(
             "".join(str(int(x)) if x < 10 else "+" for x in values) for values in readings.values()
         )
         plain, z = _plain_mean(steps), self.config.probe_confidence
         self._log(
-            f"[dynspec] auto: the first probe read by request ({len(readings)} requests, "
+            f"[dynspec] auto: {what} read by request ({len(readings)} requests, "
             f"{len(steps)} steps; each request's tokens per step: {each}): speculating would "
             f"settle at {speculating_tokens_per_step(steps):.2f} tokens per step, at least "
             f"{speculating_tokens_bound(steps, z):.2f} within {z:g} standard errors; the "
@@ -1144,7 +1155,11 @@ class AutoController:
         step = self.policy.steps
         if step and step % self.policy.config.sync_every == 0:
             self._sync(step)
-        return self.policy.decide(batch_size)
+        in_fallback = self.policy.in_fallback
+        run_fallback = self.policy.decide(batch_size)
+        if in_fallback and not self.policy.in_fallback and self.source:
+            self.measurements.show_probes_that_switched_back()
+        return run_fallback
 
     def _sync(self, step: int) -> None:
         mine = None
