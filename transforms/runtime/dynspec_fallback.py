@@ -299,7 +299,7 @@ class AutoConfig:
     joins them in the acceptance window; one that reads further off, or at another load,
     replaces it (a 64-request probe alone has a sampling error of ~7 % on mixed traffic: 0.3
     is a change of traffic, not noise). ``probe_confidence``: a probe read by request counts
-    at ``speculating_tokens_bound``, its estimate less this many standard errors (16 mixed
+    at ``speculating_tokens``'s bound, its estimate less this many standard errors (16 mixed
     requests over 4 steps read within ~17 %; on its estimate alone such a probe called
     speculation back in three of five simulated minutes at c = 16, where plain steps win).
     """
@@ -783,13 +783,20 @@ def speculating_tokens_per_step(steps: Iterable[_Verified]) -> float:
     50 %-acceptance request over 4 steps: ~7 %, over 2: ~14 %); ``_steps_per_token`` takes
     off that bias's second-order term (over 2 steps then within ~5 %, over 4 within ~1.5 %).
     """
-    readings = _readings_by_request(steps)
-    return len(readings) / sum(_steps_per_token(values) for values in readings.values())
+    return speculating_tokens(steps, 0.0).estimate
 
 
-def speculating_tokens_bound(steps: Iterable[_Verified], z: float) -> float:
-    """``speculating_tokens_per_step`` less its sampling error: 1 / (the requests' mean steps
-    per token + ``z`` standard errors of that mean).
+class SpeculatingTokens(NamedTuple):
+    """What probe steps read by request say speculating would settle at (tokens per request
+    per step): the estimate, and the bound a probe counts at."""
+
+    estimate: float  # ``speculating_tokens_per_step``
+    bound: float  # the estimate less ``z`` standard errors
+
+
+def speculating_tokens(steps: Iterable[_Verified], z: float) -> SpeculatingTokens:
+    """``speculating_tokens_per_step``, 1 / the requests' mean steps per token, and its bound:
+    1 / (that mean + ``z`` standard errors of it).
 
     The error is the spread of the requests' own steps per token over their number (one
     request: the spread of its readings, by the delta method). A probe of 16 mixed requests
@@ -809,7 +816,8 @@ def speculating_tokens_bound(steps: Iterable[_Verified], z: float) -> float:
         k, average = len(values), sum(values) / len(values)
         spread = sum((x - average) ** 2 for x in values) / (k - 1) if k > 1 else 0.0
         variance_of_mean = spread / (k * average**4)
-    return 1.0 / min(1.0, mean + z * math.sqrt(variance_of_mean))
+    bound = 1.0 / min(1.0, mean + z * math.sqrt(variance_of_mean))
+    return SpeculatingTokens(1.0 / mean, bound)
 
 
 def _readings_by_request(steps: Iterable[_Verified]) -> dict[Hashable, list[float]]:
@@ -967,8 +975,9 @@ class Measurements:
             self._trim_window()
             window = self._verified
             if self._reads_by_request(window):
-                self._raw = speculating_tokens_per_step(window)
-                self._raw_bound = speculating_tokens_bound(window, self.config.probe_confidence)
+                self._raw, self._raw_bound = speculating_tokens(
+                    window, self.config.probe_confidence
+                )
             else:  # the running sums: a stretch's window can hold 1024 steps
                 self._raw = self._tokens / self._held
                 self._raw_bound = None
@@ -1013,13 +1022,14 @@ class Measurements:
         each = " ".join(
             "".join(str(int(x)) if x < 10 else "+" for x in values) for values in readings.values()
         )
-        plain, z = _plain_mean(steps), self.config.probe_confidence
+        z = self.config.probe_confidence
+        speculating = speculating_tokens(steps, z)
         self._log(
             f"[dynspec] auto: {what} read by request ({len(readings)} requests, "
             f"{len(steps)} steps; each request's tokens per step: {each}): speculating would "
-            f"settle at {speculating_tokens_per_step(steps):.2f} tokens per step, at least "
-            f"{speculating_tokens_bound(steps, z):.2f} within {z:g} standard errors; the "
-            f"fallback batch's plain mean is {plain:.2f}"
+            f"settle at {speculating.estimate:.2f} tokens per step, at least "
+            f"{speculating.bound:.2f} within {z:g} standard errors; the "
+            f"fallback batch's plain mean is {_plain_mean(steps):.2f}"
         )
 
     def _trim_window(self) -> None:
