@@ -229,6 +229,46 @@ def test_auto_logs_how_it_decides_once_at_start_up(caplog):
     assert "no start-up cost measurement" in lines[0] and "metrics off" in lines[0]
 
 
+def test_dynspec_auto_config_overrides_the_controllers_numbers_and_says_so(caplog, monkeypatch):
+    monkeypatch.setenv("DYNSPEC_AUTO_CONFIG", "probe_confidence=3, probe_gap=32")
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    with caplog.at_level(logging.INFO):
+        adapter = dyn._adapter_for(w.worker, "v2")
+    config = adapter.controller.policy.config
+    assert (config.probe_confidence, config.probe_gap) == (3.0, 32)
+    assert type(config.probe_gap) is int
+    assert config.probe_change == dyn.AutoConfig().probe_change  # the others keep defaults
+    [line] = [r.getMessage() for r in caplog.records if "auto:" in r.getMessage()]
+    assert line.endswith("; DYNSPEC_AUTO_CONFIG: {'probe_confidence': 3.0, 'probe_gap': 32}")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("probe_confidence=3,nonsense=1", "'nonsense' is not one of"),
+        ("probe_gap=1.5", "probe_gap takes a positive int, not '1.5'"),
+        ("probe_gap=0", "probe_gap takes a positive int, not '0'"),
+        ("probe_confidence=-1", "probe_confidence takes a non-negative number, not '-1'"),
+        ("composition_bounds=1", "'composition_bounds' is not one of"),
+    ],
+)
+def test_a_bad_dynspec_auto_config_warns_once_and_changes_nothing(caplog, monkeypatch, value, why):
+    monkeypatch.setenv("DYNSPEC_AUTO_CONFIG", value)
+    w = world("v2", V2_RELEASES[-1], speculative_disable_batch_threshold="auto")
+    with caplog.at_level(logging.INFO):
+        adapter = dyn._adapter_for(w.worker, "v2")
+    config = adapter.controller.policy.config
+    assert (config.probe_confidence, config.probe_gap) == (2.0, 16)
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "DYNSPEC_AUTO_CONFIG" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"[dynspec] DYNSPEC_AUTO_CONFIG={value!r} not used: ")
+    assert why in warnings[0]
+
+
 def test_steps_are_timed_by_cuda_events_on_a_gpu_and_by_the_host_clock_elsewhere():
     import torch
 

@@ -328,6 +328,46 @@ class AutoConfig:
     probe_confidence: float = 2.0
 
 
+# "name=value,..." overrides some of ``AutoConfig``'s numbers on one server (an experiment:
+# the defaults are what the simulator and the GPU holds support), e.g.
+# DYNSPEC_AUTO_CONFIG=probe_confidence=3
+AUTO_CONFIG_ENV = "DYNSPEC_AUTO_CONFIG"
+
+
+def auto_config_overrides(warn: Callable[[str], None]) -> dict[str, int | float]:
+    """``DYNSPEC_AUTO_CONFIG``'s overrides of ``AutoConfig``'s int and float fields: an int
+    field takes a positive int, a float field a non-negative number; anything else warns once
+    and none applies."""
+    value = os.environ.get(AUTO_CONFIG_ENV, "").strip()
+    if not value:
+        return {}
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(AutoConfig)
+        if type(f.default) in (int, float)
+    }
+    overrides: dict[str, int | float] = {}
+    for item in value.split(","):
+        name, _, text = (part.strip() for part in item.partition("="))
+        kind = type(defaults.get(name))
+        try:
+            number = kind(text) if name in defaults else None
+        except ValueError:
+            number = None
+        if number is None or number < (1 if kind is int else 0):
+            least = "a positive int" if kind is int else "a non-negative number"
+            warn(
+                f"[dynspec] {AUTO_CONFIG_ENV}={value!r} not used: {name} takes {least}, "
+                f"not {text!r}"
+                if name in defaults
+                else f"[dynspec] {AUTO_CONFIG_ENV}={value!r} not used: {name!r} is not one "
+                f"of {sorted(defaults)}"
+            )
+            return {}
+        overrides[name] = number
+    return overrides
+
+
 @dataclass(frozen=True)
 class CostTable:
     """Step times in ms by padded decode batch size: ``{bs: (speculative ms, fallback ms)}``.
@@ -2032,6 +2072,9 @@ def _make_controller(
         confirm_steps=int(min_dwell),
         max_tokens_per_step=float(num_steps) + 1.0 if num_steps else None,
     )
+    overrides = auto_config_overrides(_rank0_logger(worker, logging.WARNING))
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
     policy = GoodputPolicy(config, graph_sizes, log=_rank0_logger(worker))
     controller = AutoController(
         policy,
@@ -2047,6 +2090,7 @@ def _make_controller(
         f"({type(controller.measurements.clock).__name__}) on TP rank 0 and shared "
         f"every {config.sync_every} steps; switch after {config.confirm_steps} consecutive "
         f"wins by > {config.margin:.0%}; metrics {'on' if controller.metrics else 'off'}"
+        + (f"; {AUTO_CONFIG_ENV}: {overrides}" if overrides else "")
     )
     return controller
 
