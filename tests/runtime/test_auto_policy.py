@@ -712,6 +712,39 @@ def test_probes_that_agree_at_one_load_pool_and_others_replace():
     assert measurements.tokens_per_step == pytest.approx(2.1 * 2.0 / 3.6)
 
 
+def test_a_rise_read_by_one_probe_of_8_to_63_requests_counts_once_the_next_agrees():
+    """16 mixed requests are a noisy sample of the traffic: one probe in ten reads a quarter
+    high or more. One that reads a rise beyond 30 % of the probes before it at this load
+    replaces them but counts at most what they did; the next probe that agrees with it
+    releases it. A fall counts at once, as do rises at 64 requests or more and below 8."""
+    measurements = Measurements(AutoConfig(), StepCosts())
+    verified(measurements, [(16, 1.5)] * 4, probe=True)
+    fallback_step(measurements, 4, requests=16)
+    assert measurements.tokens_per_step == 1.5
+    verified(measurements, [(16, 2.2)] * 4, probe=True, first_step=5)  # +47 %: held at 1.5
+    assert measurements.tokens_per_step == 1.5
+    assert measurements.snapshot().tokens_per_step == 1.5
+    fallback_step(measurements, 9, requests=16)
+    verified(measurements, [(16, 2.0)] * 4, probe=True, first_step=10)  # agrees: both count
+    assert measurements.tokens_per_step == pytest.approx(2.1)
+    fallback_step(measurements, 14, requests=16)
+    verified(measurements, [(16, 1.2)] * 4, probe=True, first_step=15)  # a fall: at once
+    assert measurements.tokens_per_step == 1.2
+    fallback_step(measurements, 19, requests=16)
+    verified(measurements, [(16, 2.0)] * 4, probe=True, first_step=20)  # a rise again: held
+    assert measurements.tokens_per_step == 1.2
+    fallback_step(measurements, 24, requests=16)
+    verified(measurements, [(16, 3.0)] * 4, probe=True, first_step=25)  # a rise on a rise
+    assert measurements.tokens_per_step == 1.2  # still at what the last agreed probes read
+    for requests in (4, 64):
+        trusted = Measurements(AutoConfig(), StepCosts())
+        steps = max(2, 64 // requests)
+        verified(trusted, [(requests, 1.5)] * steps, probe=True)
+        fallback_step(trusted, steps, requests=requests)
+        verified(trusted, [(requests, 2.2)] * steps, probe=True, first_step=steps + 1)
+        assert trusted.tokens_per_step == pytest.approx(2.2), requests
+
+
 def test_a_probe_of_one_request_joins_or_replaces_by_all_its_steps_not_its_first():
     """At bs 1 a probe's step is one request's one verify: at 50 % acceptance it reads 1 token
     half the time. Mixed traffic at c = 1 (on an H100, 2026-12-05): probes of a 0 % request
