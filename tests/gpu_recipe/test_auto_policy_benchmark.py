@@ -11,6 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import auto_policy  # noqa: E402
+import pytest  # noqa: E402
 
 
 def level(kind: str, region: str, conc: int) -> auto_policy.LevelResult:
@@ -72,6 +73,29 @@ def test_a_minute_of_mixed_requests_at_a_steady_load_switches_once_at_most():
     ~17 %, so one read on its estimate alone called speculation back in three of the five
     minutes (three switches each); read at its bound (two standard errors off), none does."""
     for seed in range(1, 6):
+        sim = auto_policy.Simulation("auto", seed=seed)
+        lines: list[str] = []
+        sim.server.controller.policy._log = lines.append
+        sim.level("mix", 1, 10.0, 128, 0.5)
+        lines.clear()
+        sim.level("mix", 16, 60.0, 128, 0.5)
+        assert len([line for line in lines if "at decode bs=16 " in line]) <= 1, seed
+
+
+def test_a_minute_at_an_h100s_thinner_margin_switches_once_at_most(monkeypatch):
+    """The same minute with an H100's step costs (spec 8.78 / 11.13 ms, plain 6.11 / 6.51 ms
+    at bs 1 / 16, 2026-12-06), where speculation loses at c = 16 by ~5 % instead of ~10 %:
+    over ten seeds, one probe of 16 requests short of low-acceptance ones read a rise and
+    alone called speculation back (three switches); held until the next probe agrees, none."""
+    entries = auto_policy.MEASURED.entries
+    h100 = {
+        bs: (spec * (1.28 - 0.07 * min(1.0, (bs - 1) / 15)), plain * 1.27)
+        for bs, (spec, plain) in entries.items()
+    }
+    monkeypatch.setattr(auto_policy, "MEASURED", auto_policy.CostTable(h100))
+    assert auto_policy.cost_ms(False, 16) == pytest.approx(6.50, abs=0.01)
+    assert auto_policy.cost_ms(True, 16) == pytest.approx(11.12, abs=0.01)
+    for seed in range(1, 11):
         sim = auto_policy.Simulation("auto", seed=seed)
         lines: list[str] = []
         sim.server.controller.policy._log = lines.append

@@ -944,10 +944,10 @@ class Measurements:
         # join (empty: it stands alone).
         self._probe_steps: list[_Verified] = []
         self._before_probe: list[_Verified] = []
-        # What was published when the probe under way began: a probe that reads a rise off
+        # What was published when the probe under way began: a probe that reads a change off
         # the probes before it at this load counts at most that until another agrees with it
         self._published_before_probe: float | None = None
-        self._rise_cap: float | None = None  # that cap, while the rise is unconfirmed
+        self._change_cap: float | None = None  # that cap, while the change is unconfirmed
         self._from_probe = False  # the window holds a probe's steps (no stretch since)
         self._in_stretch = False
         self._stretch_entry: float | None = None  # the probe's acceptance a stretch began at
@@ -1103,28 +1103,28 @@ class Measurements:
         theirs (within ``probe_change``): judged on every step it has verified, not its first
         alone (at bs 1 a step is one request's one verify: 1 token or 4 at 50 % acceptance).
 
-        One that reads a rise beyond that replaces them but counts at most what they did
-        (``_rise_cap``) until the next probe agrees with it: a probe of 16 mixed requests
-        reads high by a quarter or more about once in ten (a batch short of low-acceptance
-        requests, whose own spread then understates the error), and on its own it called
-        speculation back at c = 16 where plain steps win (the simulator with an H100's step
-        costs, 2026-12-06: one minute in ten). A fall counts at once: it keeps fallback. So
-        does a rise on fewer than ``composition_min_batch`` requests (a few requests'
-        acceptance is their own: at c = 1 on mixed traffic the next probe is often another
-        request's, and would not agree) or on ``probe_requests`` or more (a batch that large
-        reads within ~6 %: a rise of 30 % is the traffic's)."""
+        One that reads a change beyond that replaces them but counts at most what they did
+        (``_change_cap``) until the next probe agrees with it. A rise so read is often a
+        sample: a probe of 16 mixed requests reads high by a quarter or more about once in
+        ten (a batch short of low-acceptance requests, whose own spread then understates the
+        error), and on its own it called speculation back at c = 16 where plain steps win (the
+        simulator with an H100's step costs, 2026-12-06: one minute in ten). A fall counts at
+        once, reading below what they did. So does a rise on fewer than
+        ``composition_min_batch`` requests (a few requests' acceptance is their own: at c = 1
+        on mixed traffic the next probe is often another request's, and would not agree) or on
+        ``probe_requests`` or more (a batch that large reads within ~6 %: a change of 30 % is
+        the traffic's).
+        """
         steps = self._probe_steps
-        self._rise_cap = None
+        self._change_cap = None
         if self._before_probe:
             before = self._before_probe
             reading, pooled = self._window_reading(steps), self._window_reading(before)
             if abs(reading / pooled - 1.0) <= self.config.probe_change:
                 return before + steps
             config = self.config
-            if reading > pooled and (
-                config.composition_min_batch <= steps[-1].requests < config.probe_requests
-            ):
-                self._rise_cap = self._published_before_probe
+            if config.composition_min_batch <= steps[-1].requests < config.probe_requests:
+                self._change_cap = self._published_before_probe
         return list(steps)
 
     def _end_stretch(self) -> None:
@@ -1152,8 +1152,8 @@ class Measurements:
         )
         tokens = self._raw if self._raw_bound is None else self._raw_bound
         tokens = tokens * self.composition if applies else tokens
-        if self._rise_cap is not None and self._from_probe:
-            tokens = min(tokens, self._rise_cap)
+        if self._change_cap is not None and self._from_probe:
+            tokens = min(tokens, self._change_cap)
         self.tokens_per_step = tokens
 
     def snapshot(self) -> Snapshot:
