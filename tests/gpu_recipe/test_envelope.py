@@ -183,11 +183,11 @@ def test_a_stream_that_skips_a_token_counts_as_mismatched(crafted_url, tmp_path)
 def test_a_length_spread_gives_each_request_its_own_checked_length_the_same_on_every_run(
     crafted_url, tmp_path
 ):
-    def lengths_of_one_client() -> list[int]:
+    def lengths_of_one_client(*more: str) -> list[int]:
         CraftedStub.lengths.clear()
         out = tmp_path / "env.json"
         run_envelope(crafted_url, out, "--levels", "1", "--regions", "accept50", "--duration",
-                     "0.3", "--repeats", "1", "--olen", "20", "--olen-spread", "0.5")
+                     "0.3", "--repeats", "1", "--olen", "20", "--olen-spread", "0.5", *more)
         (level,) = json.loads(out.read_text())["levels"]
         assert level["mismatched"] == 0 and level["failed"] == 0  # each checked at its length
         assert level["output_tokens"] == sum(CraftedStub.lengths[-level["requests"]:])
@@ -198,6 +198,9 @@ def test_a_length_spread_gives_each_request_its_own_checked_length_the_same_on_e
     second = lengths_of_one_client()
     shared = min(len(first), len(second))
     assert first[:shared] == second[:shared]  # one client: the same requests on every server
+    reseeded = lengths_of_one_client("--seed", "3")
+    assert reseeded[:3] != first[:3]  # another seed: other draws
+    assert reseeded[:3] == lengths_of_one_client("--seed", "3")[:3]  # the same on every server
     unspread = subprocess.run(
         [sys.executable, str(GPU / "kit" / "scripts" / "envelope.py"), "-", "-", "-",
          "--olen-spread", "1.0", "--estimate"], capture_output=True, text=True)

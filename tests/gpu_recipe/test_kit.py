@@ -740,3 +740,32 @@ def test_profile_without_a_trace_says_so(stub_url, tmp_path):
     report = json.loads((tmp_path / "p.profile.json").read_text())
     assert "no trace written" in report["error"]
 
+
+
+def test_env_seed_gives_the_envelope_client_its_seed(tmp_path):
+    """``ENV_SEED=N``: every envelope call of the session (its estimate first) takes ``--seed
+    N``, other draws than the default's, the same on each server; unset, none."""
+    calls = tmp_path / "calls"
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"
+        f'case "$1" in *envelope.py) echo "$*" >> {calls};; esac\n'
+        'if [ "$1 $2" = "-m sglang.launch_server" ]; then exit 1; fi\n'
+        'if [ "$1" = "-c" ]; then exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    for seed, variant in (("5", "env-base"), (None, "env-base@2")):
+        env = {**os.environ, "PY": str(stub), "KIT_HOME": str(tmp_path / "kit"),
+               "OUT": str(tmp_path / "out"), "HEALTH_TIMEOUT": "2", "DEADLINE": "600",
+               "ENV_LEVELS": "16", "REGIONS": "mix"}
+        env.pop("ENV_SEED", None)
+        if seed is not None:
+            env["ENV_SEED"] = seed
+        done = subprocess.run(["bash", str(KIT / "scripts" / "run.sh"), "session", variant],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    seeded, unseeded = calls.read_text().splitlines()
+    assert " --seed 5 " in f"{seeded} " and "--estimate" in seeded
+    assert "--seed" not in unseeded

@@ -83,6 +83,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--burst-region", default="accept50", choices=REGION_NAMES)
     ap.add_argument("--keep-cache", action="store_true",
                     help="do not empty the radix cache before each level")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="another set of draws (prompts, lengths) for every level: the same "
+                         "seed gives every server the same requests, and one sample of the "
+                         "traffic then recurs on each")
     ap.add_argument("--estimate", action="store_true")
     a = ap.parse_args(argv)
     a.level_list = [int(x) for x in a.levels.split(",") if x]
@@ -237,7 +241,8 @@ def main(argv: list[str]) -> None:
             if why:
                 out["errors"].append(f"{phase} {region} c={conc}: cache not flushed: {why}")
         with GpuSampler() as gpu, HostSampler() as host, JitCompiles() as jit:
-            d = {"region": region, **sweep.level(region, conc, 1000 + conc + 7919 * rep + 31 * n)}
+            seed = 1000 + conc + 7919 * rep + 31 * n + 104729 * a.seed
+            d = {"region": region, **sweep.level(region, conc, seed)}
         d |= {"repeat": rep, "duration_s": a.duration, "phase": phase, "cache_flushed": flushed,
               "gpu": gpu.summary(), "host": host.summary(), "jit_compiled": jit.summary()}
         if d["failed"]:

@@ -31,6 +31,8 @@
 #       once after setup. ENV_LEVELS (1,4,16,32,64,128), REGIONS (accept0,accept50,accept90,mix;
 #       env-base: BASE_REGIONS, accept90), ENV_DURATION (5), ENV_REPEATS (1), OLEN (128),
 #       ENV_BURST (env-auto: 1,64,1 run back to back after the sweep; empty: none),
+#       ENV_SEED (0: the client's draws; another integer, other prompts and lengths, the same
+#       on every server given it: one sample of the traffic otherwise recurs on each),
 #       OLEN_SPREAD (0: every request OLEN tokens; s: OLEN * (1 +- s), the same on every server;
 #       the speed sweep's closed loops take it too: requests that never run in step)
 #       (envelope.py empties the radix cache before each level: every server meets every level
@@ -95,7 +97,7 @@ env_args() {   # the envelope client's options for variant $1 (plain decoding: o
   case "$1" in env-base) regions=${BASE_REGIONS:-accept90};; env-auto) burst=${ENV_BURST-1,64,1};; esac
   echo --levels "${ENV_LEVELS:-1,4,16,32,64,128}" --regions "$regions" \
     --duration "${ENV_DURATION:-5}" --repeats "${ENV_REPEATS:-1}" --olen "${OLEN:-128}" \
-    --olen-spread "${OLEN_SPREAD:-0}" \
+    --olen-spread "${OLEN_SPREAD:-0}" ${ENV_SEED:+--seed "$ENV_SEED"} \
     ${burst:+--burst "$burst"}
 }
 
