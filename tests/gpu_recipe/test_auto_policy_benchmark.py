@@ -68,18 +68,24 @@ def test_at_a_steady_load_of_mixed_requests_auto_switches_once():
     assert len(at_16) == 1 and "spec -> fallback" in at_16[0]
 
 
+def switches_in_a_minute_at_16(seed: int) -> int:
+    """The switches auto logs at bs 16 in a 60-s level at c = 16 of the mix, after a 10-s
+    level at c = 1."""
+    sim = auto_policy.Simulation("auto", seed=seed)
+    lines: list[str] = []
+    sim.server.controller.policy._log = lines.append
+    sim.level("mix", 1, 10.0, 128, 0.5)
+    lines.clear()
+    sim.level("mix", 16, 60.0, 128, 0.5)
+    return len([line for line in lines if "at decode bs=16 " in line])
+
+
 def test_a_minute_of_mixed_requests_at_a_steady_load_switches_once_at_most():
     """A minute at c = 16 of mixed traffic, five seeds: a probe of 16 requests reads within
     ~17 %, so one read on its estimate alone called speculation back in three of the five
     minutes (three switches each); read at its bound (two standard errors off), none does."""
     for seed in range(1, 6):
-        sim = auto_policy.Simulation("auto", seed=seed)
-        lines: list[str] = []
-        sim.server.controller.policy._log = lines.append
-        sim.level("mix", 1, 10.0, 128, 0.5)
-        lines.clear()
-        sim.level("mix", 16, 60.0, 128, 0.5)
-        assert len([line for line in lines if "at decode bs=16 " in line]) <= 1, seed
+        assert switches_in_a_minute_at_16(seed) <= 1, seed
 
 
 def test_a_minute_at_an_h100s_thinner_margin_switches_once_at_most(monkeypatch):
@@ -96,10 +102,4 @@ def test_a_minute_at_an_h100s_thinner_margin_switches_once_at_most(monkeypatch):
     assert auto_policy.cost_ms(False, 16) == pytest.approx(6.50, abs=0.01)
     assert auto_policy.cost_ms(True, 16) == pytest.approx(11.12, abs=0.01)
     for seed in range(1, 11):
-        sim = auto_policy.Simulation("auto", seed=seed)
-        lines: list[str] = []
-        sim.server.controller.policy._log = lines.append
-        sim.level("mix", 1, 10.0, 128, 0.5)
-        lines.clear()
-        sim.level("mix", 16, 60.0, 128, 0.5)
-        assert len([line for line in lines if "at decode bs=16 " in line]) <= 1, seed
+        assert switches_in_a_minute_at_16(seed) <= 1, seed
