@@ -741,7 +741,6 @@ def test_profile_without_a_trace_says_so(stub_url, tmp_path):
     assert "no trace written" in report["error"]
 
 
-
 def test_env_seed_gives_the_envelope_client_its_seed(tmp_path):
     """``ENV_SEED=N``: every envelope call of the session (its estimate first) takes ``--seed
     N``, other draws than the default's, the same on each server; unset, none."""

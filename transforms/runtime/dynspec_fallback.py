@@ -346,23 +346,21 @@ def auto_config_overrides(warn: Callable[[str], None]) -> dict[str, int | float]
         for f in dataclasses.fields(AutoConfig)
         if type(f.default) in (int, float)
     }
+    not_used = f"[dynspec] {AUTO_CONFIG_ENV}={value!r} not used"
     overrides: dict[str, int | float] = {}
     for item in value.split(","):
         name, _, text = (part.strip() for part in item.partition("="))
-        kind = type(defaults.get(name))
+        if name not in defaults:
+            warn(f"{not_used}: {name!r} is not one of {sorted(defaults)}")
+            return {}
+        kind = type(defaults[name])
         try:
-            number = kind(text) if name in defaults else None
+            number = kind(text)
         except ValueError:
             number = None
         if number is None or number < (1 if kind is int else 0):
             least = "a positive int" if kind is int else "a non-negative number"
-            warn(
-                f"[dynspec] {AUTO_CONFIG_ENV}={value!r} not used: {name} takes {least}, "
-                f"not {text!r}"
-                if name in defaults
-                else f"[dynspec] {AUTO_CONFIG_ENV}={value!r} not used: {name!r} is not one "
-                f"of {sorted(defaults)}"
-            )
+            warn(f"{not_used}: {name} takes {least}, not {text!r}")
             return {}
         overrides[name] = number
     return overrides
