@@ -321,23 +321,40 @@ def test_the_flap_back_off_stops_at_1024x_the_dwell_steps():
     assert [step % 3000 for step in switched_at] == [0, 0, 3, 15, 63, 255, 1023, 1023, 1023, 1023]
 
 
-def test_after_flapping_at_a_load_4_probes_worth_switch_back_there():
-    """One probe of 16 requests reads the fallback batch's mix of the moment; where
-    speculation was left after switching back and forth, switching back needs 4 probes'
-    requests (at most 256; probes that agree pool). The first time, one probe's requests do."""
-    confirm = AutoConfig().confirm_steps
-    for bs, needed in ((32, 256), (16, 256), (4, 128), (1, 32)):
+def test_at_the_load_speculation_was_just_left_4_probes_worth_switch_back_there():
+    """One probe of 16 requests reads the fallback batch's mix of the moment. At the load of
+    the last switch, within ``flap_window`` steps of it, switching back needs 4 probes'
+    requests (at most 256; probes that agree pool): at 8 requests or more from the first time
+    on, where a probe reads the batch's composition; below 8, where each request's acceptance
+    is its own, the first time one probe's requests do, after a flap 4 probes'."""
+    config = AutoConfig()
+    confirm = config.confirm_steps
+    for bs, needed in ((32, 256), (16, 256), (8, 256)):
         policy = policy_with(1.0)
         modes_through(policy, [bs] * confirm)  # plain wins: into fallback at bs
+        policy.adopt(Snapshot(4.0, table(), bs, needed - 1))  # speculation ahead
+        assert all(modes_through(policy, [bs] * 200)), bs
+        policy.adopt(Snapshot(4.0, table(), bs, needed))
+        assert modes_through(policy, [bs] * confirm)[-1] is False, bs
+    for bs, needed in ((4, 128), (1, 32)):
+        policy = policy_with(1.0)
+        modes_through(policy, [bs] * confirm)
         policy.adopt(Snapshot(4.0, table(), bs, 1))  # the first time: any probe
         assert modes_through(policy, [bs] * confirm)[-1] is False, bs
         policy.adopt(Snapshot(1.0, table(), bs, 256))
         assert modes_through(policy, [bs] * 4 * confirm)[-1] is True, bs  # a flap: 4x
         assert policy._recent_flaps() == 2
-        policy.adopt(Snapshot(4.0, table(), bs, needed - 1))  # speculation ahead
+        policy.adopt(Snapshot(4.0, table(), bs, needed - 1))
         assert all(modes_through(policy, [bs] * 200)), bs
         policy.adopt(Snapshot(4.0, table(), bs, needed))
         assert modes_through(policy, [bs] * 16 * confirm)[-1] is False, bs
+    # flap_window steps after the switch, one probe's requests switch back there again
+    policy = policy_with(1.0)
+    modes_through(policy, [16] * confirm)
+    policy.adopt(Snapshot(1.0, table(), 16, 256))
+    modes_through(policy, [16] * config.flap_window)
+    policy.adopt(Snapshot(4.0, table(), 16, 16))
+    assert modes_through(policy, [16] * confirm)[-1] is False
     # at another load (2x off) one probe's requests switch back
     policy = policy_with(1.0)
     modes_through(policy, [32] * confirm)
@@ -493,8 +510,10 @@ def test_probes_notice_that_acceptance_rose_while_in_fallback():
     modes, _ = drive(controller, clock, [64] * 3000, lambda step: 2.0 if step < 1000 else 4.0)
     assert all(modes[100:1000])
     back = modes.index(False, 1000)
-    # The first probe after the rise re-measures it; probe gaps are capped at 1024 steps.
-    assert back - 1000 <= 1024 + 16 + AutoConfig().confirm_steps
+    # The first probe after the rise re-measures it and the next agrees (speculation was
+    # left at this load within flap_window steps: 256 requests, two probes of 128); probe
+    # gaps are capped at 1024 steps.
+    assert back - 1000 <= 2 * 1024 + 16 + AutoConfig().confirm_steps
     assert not any(modes[back:])
     assert controller.policy.n_switches == 2
 

@@ -263,9 +263,10 @@ class AutoConfig:
     ``flap_max``: a switch back within ``flap_window`` steps of the last switch, at a padded
     batch size within 2x of that switch's, needs ``confirm_steps * flap_factor ** flaps``
     wins, ``flaps`` counting such switches in a row (at most ``flap_max``), less one for
-    every ``flap_window`` steps since the last switch; there, after a flap, fallback switches
-    back only on an acceptance of ``flap_factor`` probes' requests (``acceptance_requests`` at
-    most), not one probe's. ``probe_gap`` /
+    every ``flap_window`` steps since the last switch; there, after a flap (at
+    ``composition_min_batch`` requests or more: within ``flap_window`` steps of the switch),
+    fallback switches back only on an acceptance of ``flap_factor`` probes' requests
+    (``acceptance_requests`` at most), not one probe's. ``probe_gap`` /
     ``probe_gap_max``: in fallback, a speculative probe after this many fallback steps, the
     gap doubling after each probe (up to the cap) until speculation is back, and back to
     ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
@@ -625,6 +626,11 @@ class GoodputPolicy:
         quiet = (self.steps - self._last_switch[0]) // self.config.flap_window
         return max(0, self._flaps - quiet)
 
+    def _recent_switch(self) -> bool:
+        """Whether the last switch came within ``flap_window`` steps."""
+        last = self._last_switch
+        return last is not None and self.steps - last[0] < self.config.flap_window
+
     def _acceptance_is_of(self, padded: int) -> bool:
         """Whether the acceptance was read at about this load (within 2x): in fallback it
         comes from probes, and one read at another load (a single request, another mix) says
@@ -646,16 +652,23 @@ class GoodputPolicy:
 
     def _acceptance_is_enough(self, padded: int) -> bool:
         """Whether the acceptance holds enough requests to switch back to speculation: one
-        probe's, except at about the load speculation was last left at after switching there
-        back and forth, where ``flap_factor`` probes' (at most ``acceptance_requests``; probes
-        that agree pool until they hold them, one that reads a change of traffic starts
-        afresh): a probe reads the fallback batch's mix of the moment, which at 16 requests
-        moved by a quarter from one probe to the next (an H100, 0.5.17, mixed traffic,
-        2026-12-06: five switches in a 10-s level, after which the flap rule held speculation
-        there at 8 % below plain steps)."""
-        if not (self._at_last_switch_load(padded) and self._recent_flaps() > 0):
-            return True
+        probe's, except at about the load speculation was last left at, where ``flap_factor``
+        probes' (at most ``acceptance_requests``; probes that agree pool until they hold them,
+        one that reads a change of traffic starts afresh) after switching there back and
+        forth, and at ``composition_min_batch`` requests or more already the first time within
+        ``flap_window`` steps of the switch. A probe reads the fallback batch's mix of the
+        moment, which at 16 requests moved by a quarter from one probe to the next (an H100,
+        0.5.17, mixed traffic, 2026-12-06: five switches in a 10-s level, after which the flap
+        rule held speculation there at 8 % below plain steps) and, after 16 clients began at
+        once, swung for seconds: the first switch back read 1.97 and 2.14 tokens per step on
+        48 and 32 requests and the speculative stretch after it 1.36 and 1.18 (three switches
+        in a minute's first 17 s on four of five servers of two holds). Below that many
+        requests each request's acceptance is its own, and one probe's follows it."""
         config = self.config
+        batch = padded >= config.composition_min_batch
+        recent = self._recent_flaps() > 0 or (batch and self._recent_switch())
+        if not (self._at_last_switch_load(padded) and recent):
+            return True
         probe = padded * self._probe_steps(padded)
         needed = min(config.acceptance_requests, config.flap_factor * probe)
         return self.snapshot.tokens_requests >= needed
