@@ -188,7 +188,9 @@ def test_a_length_spread_gives_each_request_its_own_checked_length_the_same_on_e
         out = tmp_path / "env.json"
         run_envelope(crafted_url, out, "--levels", "1", "--regions", "accept50", "--duration",
                      "0.3", "--repeats", "1", "--olen", "20", "--olen-spread", "0.5", *more)
-        (level,) = json.loads(out.read_text())["levels"]
+        result = json.loads(out.read_text())
+        assert result["seed"] == (int(more[-1]) if more else 0)  # the draws, recorded
+        (level,) = result["levels"]
         assert level["mismatched"] == 0 and level["failed"] == 0  # each checked at its length
         assert level["output_tokens"] == sum(CraftedStub.lengths[-level["requests"]:])
         return CraftedStub.lengths[8:]  # after the 8 warm-up requests (OLEN each)

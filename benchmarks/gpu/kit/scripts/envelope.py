@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
     info, error = server_info.fetch(a.url)
     out: dict = {
         "name": a.name, "url": a.url, "plen": a.plen, "olen": a.olen,
-        "olen_spread": a.olen_spread, "duration_s": a.duration,
+        "olen_spread": a.olen_spread, "seed": a.seed, "duration_s": a.duration,
         "repeats": a.repeats, "regions": a.region_list, "estimated_s": planned,
         "flush_cache": not a.keep_cache,
         "server_info": info, "effective_args": server_info.effective_args(info, EFFECTIVE_KEYS),
