@@ -181,12 +181,15 @@ class Simulation:
         while waiting or running:
             if waiting:  # SGLang runs the new requests' prefill before the next decode step
                 ms = PREFILL_MS[0] + PREFILL_MS[1] * len(waiting)
-                if server.speculative_server:
-                    ms *= 1.0 + DRAFT_PREFILL_SHARE
+                controller = server.controller
+                if server.speculative_server and not (controller and controller.in_fallback):
+                    ms *= 1.0 + DRAFT_PREFILL_SHARE  # (in fallback the direct prefill skips it)
+                ms *= rng.uniform(1.0 - NOISE, 1.0 + NOISE)
                 now_ms += ms
                 spent["prefill"] += ms
-                if server.controller is not None:
-                    server.controller.note_prefill(len(waiting))
+                if controller is not None:
+                    self.clock.next_ms = ms
+                    controller.finish_prefill(controller.start_step(), len(waiting))
                 running += waiting
                 waiting = []
                 continue

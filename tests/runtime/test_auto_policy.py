@@ -15,11 +15,14 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     CostTable,
     GoodputPolicy,
     Measurements,
+    PrefillCost,
     Snapshot,
     StepTokens,
     _Measured,
+    _MeasuredPrefill,
     _same_load,
     _Verified,
+    fit_prefill_cost,
     padded_batch_size,
     parse_threshold,
     speculating_tokens_per_step,
@@ -94,18 +97,26 @@ def test_it_speculates_while_any_input_is_unknown():
 def test_a_snapshot_crosses_the_wire_unchanged_unknowns_included():
     """What rank 0 broadcasts is what every rank adopts: floats only, NaN for an unknown."""
     entries = {16: (19.5, 9.25), 1: (11.0, None), 8: (None, 8.5)}
-    snapshot = Snapshot(2.5, CostTable(entries), 64, 320, tokens_of_stretch=True)
+    snapshot = Snapshot(2.5, CostTable(entries), 64, 320, tokens_of_stretch=True,
+                        admitted_per_token=1 / 128, prefill_spec=PrefillCost(8.7, 0.6))
     wire = snapshot.to_wire()
     assert all(isinstance(x, float) for x in wire)
-    # tokens, their load, their requests, a stretch's or not, then the sizes in order
-    assert wire[:7] == [2.5, 64.0, 320.0, 1.0, 1.0, 11.0, wire[6]] and math.isnan(wire[6])
+    # tokens, their load, their requests, a stretch's or not, the admission rate, the two
+    # prefill costs (speculating, in fallback), then the sizes in order
+    assert wire[:9] == [2.5, 64.0, 320.0, 1.0, 1 / 128, 8.7, 0.6, wire[7], wire[8]]
+    assert math.isnan(wire[7]) and math.isnan(wire[8])
+    assert wire[9:13] == [1.0, 11.0, wire[11], 8.0] and math.isnan(wire[11])
     assert Snapshot.from_wire(wire) == snapshot
     assert Snapshot.from_wire(dataclasses.replace(snapshot, tokens_of_stretch=False).to_wire())\
         .tokens_of_stretch is False
+    plain_only = dataclasses.replace(snapshot, prefill_spec=None,
+                                     prefill_plain=PrefillCost(7.9, 0.55))
+    assert Snapshot.from_wire(plain_only.to_wire()) == plain_only
     cold = Snapshot()  # nothing measured yet
-    tokens, load, requests, of_stretch = cold.to_wire()
-    assert math.isnan(tokens) and load == requests == of_stretch == 0.0
-    assert Snapshot.from_wire([tokens, load, requests, of_stretch]) == cold
+    tokens, load, requests, of_stretch, admitted, *costs = cold.to_wire()
+    assert math.isnan(tokens) and load == requests == of_stretch == admitted == 0.0
+    assert len(costs) == 4 and all(math.isnan(x) for x in costs)
+    assert Snapshot.from_wire(cold.to_wire()) == cold
 
 
 def test_in_fallback_only_an_acceptance_read_at_about_this_load_switches_back():
@@ -583,16 +594,16 @@ def test_long_requests_keep_the_window_to_1024_steps():
 def test_a_controller_stamps_each_step_with_the_requests_prefilled_by_then():
     clock = StepCosts()
     controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
-    controller.note_prefill(3)
+    controller.finish_prefill(controller.start_step(), 3)
     controller.decide(3)
     controller.finish_step(controller.start_step(), True, 3, constant(2.0))
-    controller.note_prefill(2)
+    controller.finish_prefill(controller.start_step(), 2)
     controller.decide(5)
     controller.finish_step(controller.start_step(), True, 5, constant(2.0))
     assert [m.started for m in controller.measurements._pending] == [3, 5]
     other_rank = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=False,
                                 share=lambda mine: Snapshot())
-    other_rank.note_prefill(3)
+    other_rank.finish_prefill(other_rank.start_step(), 3)
     assert other_rank.n_started == 0  # only the source rank measures
 
 
@@ -1259,3 +1270,135 @@ def test_a_switch_back_logs_the_probes_that_called_it_each_request_read_by_itsel
     assert len(rows.split()) == 64 and set(rows.replace(" ", "")) == {"4"}
     assert tail == ("speculating would settle at 4.00 tokens per step, at least 4.00 within 2 "
                     "standard errors; the fallback batch's plain mean is 4.00")
+
+
+# Prefills between decode steps (PrefillCost): an H100's figures, SGLang 0.5.17, 2026-12-06.
+H100_128 = CostTable({64: (19.1, 7.1), 128: (31.75, 8.32)})
+H100_PREFILL = PrefillCost(7.9, 0.55)
+
+
+def test_a_prefill_cost_is_fitted_to_its_batches_a_stall_left_out():
+    batches = [(n, 7.9 + 0.55 * n) for n in (1, 2, 3, 5, 8, 2, 1, 4)]
+    fit = fit_prefill_cost([*batches, (2, 500.0)])  # a kernel compiled in one: left out
+    assert fit == PrefillCost(pytest.approx(7.9), pytest.approx(0.55))
+    assert fit_prefill_cost([]) is None
+    assert fit_prefill_cost([(1, 8.0), (1, 9.0)]) == PrefillCost(8.5, 0.0)  # one size: fixed
+    # both parts at least 0: a slope read below 0 is 0, one above the mean per request is that
+    assert fit_prefill_cost([(1, 10.0), (4, 8.0)]) == PrefillCost(9.0, 0.0)
+    assert fit_prefill_cost([(1, 0.5), (2, 9.0)]) == PrefillCost(0.0, pytest.approx(4.75 / 1.5))
+
+
+def test_a_modes_prefills_per_step_follow_its_admissions():
+    """About 1 - e^-r batches a step (SGLang runs one between two decode steps when any
+    arrived) and r requests: the fixed part saturates, the part per request does not."""
+    assert H100_PREFILL.per_step_ms(0.0) == 0.0
+    few = H100_PREFILL.per_step_ms(0.01)  # one request every 100 steps: one batch each
+    assert few == pytest.approx(0.01 * (7.9 + 0.55), rel=0.01)
+    assert H100_PREFILL.per_step_ms(1.0) == pytest.approx(7.9 * (1 - math.exp(-1)) + 0.55)
+    assert H100_PREFILL.per_step_ms(20.0) == pytest.approx(7.9 + 11.0, rel=1e-6)
+
+
+def prefill_policy(tokens_per_step: float, admitted_per_token: float, **snapshot) -> GoodputPolicy:
+    policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES)
+    policy.adopt(Snapshot(tokens_per_step, H100_128, admitted_per_token=admitted_per_token,
+                          **snapshot))
+    return policy
+
+
+def test_prefills_turn_the_choice_where_outputs_are_short_and_the_batch_large():
+    """At bs 128 on an H100 (accept90, outputs of 128 tokens): decode steps alone put plain
+    steps ahead (3.35 / 31.75 < 1 / 8.32), but a speculative step finishes 3.35 times the
+    requests, admitted in as many prefill batches as a plain step's: EAGLE-3 won by 13 %."""
+    both = {"prefill_spec": H100_PREFILL, "prefill_plain": H100_PREFILL}
+    decode_only = prefill_policy(3.35, 0.0, **both)  # no admission rate read yet
+    assert decode_only.estimates(128).plain_tok_s > decode_only.estimates(128).spec_tok_s
+    assert modes_through(decode_only, [128] * 16)[-1] is True
+    with_prefills = prefill_policy(3.35, 1 / 128, **both)
+    est = with_prefills.estimates(128)
+    assert est.plain_prefill_ms == pytest.approx(H100_PREFILL.per_step_ms(1.0))
+    assert est.spec_prefill_ms == pytest.approx(H100_PREFILL.per_step_ms(3.35))
+    assert est.spec_tok_s / est.plain_tok_s == pytest.approx(1.12, abs=0.01)
+    assert not any(modes_through(with_prefills, [128] * 16))
+    # the crossover moves with acceptance: at 2.5 tokens per step plain steps still win
+    assert modes_through(prefill_policy(2.5, 1 / 128, **both), [128] * 16)[-1] is True
+    # and with the length: outputs of 1024 tokens admit too few requests to change it
+    assert modes_through(prefill_policy(3.35, 1 / 1024, **both), [128] * 16)[-1] is True
+    # no prefill timed: decode steps alone, whatever the admission rate
+    assert modes_through(prefill_policy(3.35, 1 / 128), [128] * 16)[-1] is True
+
+
+def test_a_mode_with_no_prefill_timed_borrows_the_other_modes_cost():
+    spec_only = Snapshot(3.0, H100_128, admitted_per_token=1 / 128, prefill_spec=H100_PREFILL)
+    assert spec_only.prefill_ms_per_step(False, 1.0) == H100_PREFILL.per_step_ms(1.0)
+    cheaper = PrefillCost(6.0, 0.5)  # in fallback the direct prefill skips the draft's pass
+    both = dataclasses.replace(spec_only, prefill_plain=cheaper)
+    assert both.prefill_ms_per_step(False, 1.0) == cheaper.per_step_ms(1.0)
+    assert both.prefill_ms_per_step(True, 1.0) == H100_PREFILL.per_step_ms(1.0)
+
+
+def test_with_prefills_speculation_can_win_where_decode_steps_alone_say_it_cannot():
+    """In fallback no probe speculates where speculation loses at every draft accepted; with
+    prefills counted that bound is the prefills' too (else fallback entered at such a load
+    would never probe its way back)."""
+    config = {"max_tokens_per_step": 4.0}
+    no_rate = GoodputPolicy(AutoConfig(**config), GRAPH_SIZES)
+    no_rate.adopt(Snapshot(1.0, CostTable({128: (36.0, 8.32)}), prefill_spec=H100_PREFILL))
+    assert no_rate._speculation_cannot_win(128)  # 4 / 36 < 1 / 8.32
+    rate = GoodputPolicy(AutoConfig(**config), GRAPH_SIZES)
+    rate.adopt(dataclasses.replace(no_rate.snapshot, admitted_per_token=1 / 128))
+    assert not rate._speculation_cannot_win(128)
+
+
+def test_a_switch_logs_each_modes_prefills_per_step():
+    lines: list[str] = []
+    policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES, log=lines.append)
+    policy.adopt(Snapshot(2.0, H100_128, admitted_per_token=1 / 128,
+                          prefill_spec=H100_PREFILL, prefill_plain=H100_PREFILL))
+    modes_through(policy, [128] * 8)
+    assert policy.in_fallback
+    est = policy.last
+    assert (f"spec {est.spec_tok_s:.0f} tok/s (2.00 tokens/step, 31.75 ms/step + "
+            f"{est.spec_prefill_ms:.2f} ms of prefills) vs plain {est.plain_tok_s:.0f} tok/s "
+            f"(8.32 ms/step + {est.plain_prefill_ms:.2f} ms of prefills)") in lines[0]
+
+
+def test_the_admission_rate_is_read_over_the_newest_16384_tokens():
+    measurements = Measurements(AutoConfig(), StepCosts())
+    # 64 requests at 2 tokens a step (128 tokens), one admitted a step: 1 per 128 tokens
+    verified(measurements, [(64, 2.0)] * 200, started=list(range(200)))
+    assert measurements.admitted_per_token == pytest.approx(1 / 128)
+    # then plain steps of 64 (64 tokens), one admitted every other step: 1 per 128 again,
+    # and after 256 of them (16384 tokens) nothing of the first rate is left
+    for step in range(200, 456):
+        measurements.add(_Measured(step, False, 64, 64, 5.0, None, started=199 + (step - 199) // 2))
+    measurements.resolve(455)
+    assert measurements.admitted_per_token == pytest.approx(1 / 128, rel=0.01)
+    for step in range(456, 712):  # none admitted: the rate falls to 0 once they fill it
+        measurements.add(_Measured(step, False, 64, 64, 5.0, None, started=327))
+    measurements.resolve(711)
+    assert measurements.admitted_per_token == pytest.approx(0.0, abs=1 / 16384)
+    assert measurements.snapshot().admitted_per_token == measurements.admitted_per_token
+
+
+def test_prefills_are_timed_by_the_mode_they_ran_in_and_resolved_with_the_step_after():
+    clock = StepCosts()
+    controller = AutoController(GoodputPolicy(AutoConfig(), GRAPH_SIZES), source=True, clock=clock)
+    for n in (1, 2, 3, 4):
+        clock.next_ms = 7.9 + 0.55 * n
+        controller.finish_prefill(controller.start_step(), n)
+        controller.decide(8)
+        clock.next_ms = 10.0
+        controller.finish_step(controller.start_step(), True, 8, constant(2.0))
+    measurements = controller.measurements
+    assert [p.step for p in measurements._pending_prefills] == [0, 1, 2, 3]
+    measurements.resolve(2)  # the prefills before steps 0-2
+    timed = [(n, pytest.approx(7.9 + 0.55 * n)) for n in (1, 2, 3)]
+    assert list(measurements._prefills[True]) == timed
+    assert [p.step for p in measurements._pending_prefills] == [3]
+    fitted = PrefillCost(pytest.approx(7.9), pytest.approx(0.55))
+    assert measurements.snapshot().prefill_spec == fitted
+    assert measurements.snapshot().prefill_plain is None
+    measurements.add_prefill(_MeasuredPrefill(4, 2, 6.0, in_fallback=True))
+    measurements.resolve(4)
+    assert measurements.snapshot().prefill_plain == PrefillCost(6.0, 0.0)
+    assert controller.n_started == 10

@@ -32,18 +32,25 @@ def hook(variant: str):
 
 class SpecPath:
     """The worker's own speculative step, as the patched method runs it: the hook first
-    (re-entered from the hook, it must answer None), then a result with this acceptance."""
+    (re-entered from the hook, it must answer None), then a result with this acceptance; a
+    prefill batch's result is the batch's own marker."""
 
     def __init__(self, w, variant: str, adapter) -> None:
         self.w, self.variant, self.adapter = w, variant, adapter
         self.tokens_per_request = 3.0
         self.calls: list[tuple[object, object]] = []
-        self.ran = False
+        self.prefills: list[tuple[object, object]] = []
+        self.ran: str | None = None
 
     def __call__(self, worker, batch, **kwargs):
         import torch
 
         assert hook(self.variant)(worker, batch, **kwargs) is None
+        if batch.forward_mode.is_extend():
+            result = ("prefilled", batch)
+            self.prefills.append((batch, result))
+            self.ran = "prefill"
+            return result
         accepted = int((self.tokens_per_request - 1) * BS)
         if self.variant == "v2":
             lens = torch.full((BS,), int(self.tokens_per_request), dtype=torch.int32)
@@ -57,25 +64,28 @@ class SpecPath:
                 fields[per_request] = [int(self.tokens_per_request - 1)] * BS
             result = types.SimpleNamespace(**fields)
         self.calls.append((batch, result))
-        self.ran = True
+        self.ran = "spec"
         return result
 
 
 class ModeCosts:
-    """Step times by mode: a speculative step 20 ms, a fallback step 10 ms (the host clock
-    is never read). Speculation then wins while it yields > 2.04 tokens per request."""
+    """Step times by mode: a speculative step 20 ms, a fallback step 10 ms, a prefill 5 ms
+    (the host clock is never read). Speculation then wins while it yields about 2.1 tokens
+    per request or more (4 requests admitted every 16 steps: a prefill batch's 5 ms is
+    spread over the 16 steps' tokens)."""
 
     def __init__(self, spec: SpecPath) -> None:
         self.spec = spec
+        self.costs = {"spec": 20.0, "prefill": 5.0, None: 10.0}
 
     def start(self):
-        self.spec.ran = False
+        self.spec.ran = None
         self.started = object()
         return self.started
 
     def stop(self, started):
         assert started is self.started  # the step's own start
-        return 20.0 if self.spec.ran else 10.0
+        return self.costs[self.spec.ran]
 
     def elapsed_ms(self, handle):
         return handle
@@ -109,8 +119,10 @@ def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, 
     modes, spec_steps, fallback_steps = [], 0, 0
     for step in range(2200):
         spec.tokens_per_request = 1.0 if 100 <= step < 400 else 3.0
-        if step % 16 == 0:  # 4 new requests every 16 steps, prefilled through the hook
-            assert hook(variant)(w.worker, new_prefill_batch([5] * BS)) is None
+        if step % 16 == 0:  # 4 new requests every 16 steps, prefilled through the hook:
+            prefill = new_prefill_batch([5] * BS)  # the worker's own prefill, run and timed
+            assert hook(variant)(w.worker, prefill) == ("prefilled", prefill)
+            assert spec.prefills[-1][0] is prefill
         w.batch = w._make_batch(BS, 10, 100)
         calls_before = len(spec.calls)
         forwards_before = w.recorder.names().count("target_forward")
@@ -139,6 +151,12 @@ def test_auto_runs_spec_then_fallback_then_spec_with_unchanged_outputs(variant, 
     assert not any(modes[back:])
     assert adapter.controller.policy.n_switches == 2
     assert adapter.controller.n_started == BS * len(range(0, 2200, 16))  # prefilled requests
+    assert len(spec.prefills) == len(range(0, 2200, 16))
+    snapshot = adapter.controller.measurements.snapshot()
+    assert snapshot.prefill_spec == snapshot.prefill_plain == dyn.PrefillCost(5.0, 0.0)
+    # 4 requests per 16 steps of 4 requests at 3 tokens each (1 in fallback), over the
+    # newest 16384 tokens (to within a batch at the window's edge)
+    assert 0.98 * 4 / (16 * 4 * 3) <= snapshot.admitted_per_token <= 4 / (16 * 4)
     policy = adapter.controller.policy
     assert (policy.n_spec_steps, policy.n_fallback_steps) == (spec_steps, fallback_steps)
 

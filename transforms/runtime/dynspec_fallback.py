@@ -303,6 +303,9 @@ class AutoConfig:
     at ``speculating_tokens``'s bound, its estimate less this many standard errors (16 mixed
     requests over 4 steps read within ~17 %; on its estimate alone such a probe called
     speculation back in three of five simulated minutes at c = 16, where plain steps win).
+    ``prefill_window``: the newest prefill batches of each mode whose times ``PrefillCost``
+    is fitted to; ``admission_tokens``: the admission rate (requests prefilled per token
+    decoded) is read over the newest steps that decoded at least this many tokens.
     """
 
     confirm_steps: int = DEFAULT_MIN_DWELL_STEPS
@@ -327,6 +330,8 @@ class AutoConfig:
     max_tokens_per_step: float | None = None
     probe_change: float = 0.3
     probe_confidence: float = 2.0
+    prefill_window: int = 64
+    admission_tokens: int = 16384
 
 
 # "name=value,..." overrides some of ``AutoConfig``'s numbers on one server (an experiment:
@@ -365,6 +370,52 @@ def auto_config_overrides(warn: Callable[[str], None]) -> dict[str, int | float]
             return {}
         overrides[name] = number
     return overrides
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """A prefill batch of n requests costs about ``fixed_ms + per_request_ms * n``.
+
+    What a mode's prefills cost per decode step follows from it: a loaded closed loop admits
+    as many requests as it finishes, r = bs * tokens per step / mean output length a step
+    (``Snapshot.admitted_per_token``: 1 / that length), and SGLang runs one prefill batch
+    between two decode steps when any arrived, about 1 - e^-r of them (arrivals as Poisson's).
+    A mode that decodes more tokens per step admits more requests a step into as many
+    batches, so its fixed part is spread over more tokens: on an H100 (0.5.17, 2026-12-06,
+    accept90 at c = 128, outputs of 128 +- 50 % tokens) the prefills took about 5.5 ms per
+    plain step and 9-10 ms per speculative step of 3.4 times the tokens, and EAGLE-3 won by
+    13 % where decode steps alone put plain steps ahead by 14 %.
+    """
+
+    fixed_ms: float
+    per_request_ms: float
+
+    def per_step_ms(self, admitted_per_step: float) -> float:
+        """Prefill time per decode step where ``admitted_per_step`` requests arrive a step."""
+        r = admitted_per_step
+        return self.fixed_ms * -math.expm1(-r) + self.per_request_ms * r
+
+
+def fit_prefill_cost(samples: Sequence[tuple[int, float]]) -> PrefillCost | None:
+    """``PrefillCost`` by least squares over (requests, ms) of prefill batches, both parts at
+    least 0; batches slower than 3x the median (a kernel compiled, the allocator grew) left
+    out. Batches all of one size cannot split the two parts: their mean counts as fixed
+    (there, at 1 request a batch, where r is small, either split gives the same cost)."""
+    if not samples:
+        return None
+    times = sorted(ms for _, ms in samples)
+    cap = 3.0 * times[len(times) // 2]
+    kept = [(n, ms) for n, ms in samples if ms <= cap and n > 0]
+    if not kept:
+        return None
+    mean_n = sum(n for n, _ in kept) / len(kept)
+    mean_ms = sum(ms for _, ms in kept) / len(kept)
+    spread = sum((n - mean_n) ** 2 for n, _ in kept)
+    if spread == 0:
+        return PrefillCost(mean_ms, 0.0)
+    slope = sum((n - mean_n) * (ms - mean_ms) for n, ms in kept) / spread
+    slope = min(max(slope, 0.0), mean_ms / mean_n)
+    return PrefillCost(mean_ms - slope * mean_n, slope)
 
 
 @dataclass(frozen=True)
@@ -421,6 +472,9 @@ class Snapshot:
     size of the newest verify step it holds (0: none); ``tokens_requests``: the requests its
     verify steps hold (a request counted once per step); ``tokens_of_stretch``: they are a
     speculative stretch's, not a probe's (in fallback: the stretch before it).
+    ``admitted_per_token``: requests prefilled per token decoded (0: not read yet);
+    ``prefill_spec`` / ``prefill_plain``: the prefill batches' cost while speculating / in
+    fallback (where the direct prefill skips the draft's pass), None before one was timed.
     """
 
     tokens_per_step: float | None = None
@@ -428,14 +482,29 @@ class Snapshot:
     tokens_load: int = 0
     tokens_requests: int = 0
     tokens_of_stretch: bool = False
+    admitted_per_token: float = 0.0
+    prefill_spec: PrefillCost | None = None
+    prefill_plain: PrefillCost | None = None
+
+    def prefill_ms_per_step(self, speculative: bool, admitted_per_step: float) -> float:
+        """A mode's prefill time per decode step at this admission rate (0 while no prefill
+        was timed: where only the other mode's was, it stands in)."""
+        mine, other = self.prefill_spec, self.prefill_plain
+        if not speculative:
+            mine, other = other, mine
+        cost = mine or other
+        return cost.per_step_ms(admitted_per_step) if cost is not None else 0.0
 
     def to_wire(self) -> list[float]:
         """Floats for a broadcast: tokens, their load, their requests, whether a stretch's,
-        then (bs, spec ms, plain ms) rows; NaN for None."""
+        the admission rate, both prefill costs' two parts, then (bs, spec ms, plain ms) rows;
+        NaN for None."""
         nan = float("nan")
         wire = [nan if self.tokens_per_step is None else self.tokens_per_step,
                 float(self.tokens_load), float(self.tokens_requests),
-                float(self.tokens_of_stretch)]
+                float(self.tokens_of_stretch), self.admitted_per_token]
+        for cost in (self.prefill_spec, self.prefill_plain):
+            wire += [nan, nan] if cost is None else [cost.fixed_ms, cost.per_request_ms]
         for bs, (spec, plain) in sorted(self.table.entries.items()):
             wire += [float(bs), nan if spec is None else spec, nan if plain is None else plain]
         return wire
@@ -445,18 +514,23 @@ class Snapshot:
         def value(x: float) -> float | None:
             return None if x != x else float(x)  # NaN: unknown
 
-        rows = wire[4:]
+        def cost(fixed: float, per_request: float) -> PrefillCost | None:
+            return None if fixed != fixed else PrefillCost(fixed, per_request)
+
+        rows = wire[9:]
         entries = {
             int(rows[i]): (value(rows[i + 1]), value(rows[i + 2])) for i in range(0, len(rows), 3)
         }
-        return cls(value(wire[0]), CostTable(entries), int(wire[1]), int(wire[2]), bool(wire[3]))
+        return cls(value(wire[0]), CostTable(entries), int(wire[1]), int(wire[2]), bool(wire[3]),
+                   wire[4], cost(wire[5], wire[6]), cost(wire[7], wire[8]))
 
 
 @dataclass(frozen=True)
 class Estimates:
     """What one decision compared: tok/s of each mode at ``batch_size`` (padded), from the
     step costs at ``costs_of``: ``padded`` itself, or the measured size that decides for it
-    (``CostTable.deciding_size``)."""
+    (``CostTable.deciding_size``), each step with its share of the prefills between decode
+    steps (``PrefillCost``; 0 until prefills were timed and the admission rate read)."""
 
     batch_size: int
     padded: int
@@ -464,14 +538,17 @@ class Estimates:
     spec_ms: float
     plain_ms: float
     costs_of: int
+    spec_prefill_ms: float = 0.0
+    plain_prefill_ms: float = 0.0
 
     @property
     def spec_tok_s(self) -> float:
-        return 1000.0 * self.costs_of * self.tokens_per_step / self.spec_ms
+        ms = self.spec_ms + self.spec_prefill_ms
+        return 1000.0 * self.costs_of * self.tokens_per_step / ms
 
     @property
     def plain_tok_s(self) -> float:
-        return 1000.0 * self.costs_of / self.plain_ms
+        return 1000.0 * self.costs_of / (self.plain_ms + self.plain_prefill_ms)
 
 
 def padded_batch_size(batch_size: int, graph_sizes: list[int]) -> int:
@@ -542,13 +619,28 @@ class GoodputPolicy:
         if tokens is None:
             return None
         if spec_ms and plain_ms:
-            return Estimates(batch_size, padded, tokens, spec_ms, plain_ms, padded)
+            return self._with_prefills(batch_size, padded, tokens, spec_ms, plain_ms, padded)
         deciding = self.snapshot.table.deciding_size(padded, tokens)
         if deciding is None:
             return None
         spec_ms, plain_ms = self.snapshot.table.entries[deciding]
         assert spec_ms and plain_ms  # deciding_size picks sizes with both costs
-        return Estimates(batch_size, padded, tokens, spec_ms, plain_ms, deciding)
+        return self._with_prefills(batch_size, padded, tokens, spec_ms, plain_ms, deciding)
+
+    def _with_prefills(
+        self, batch_size: int, padded: int, tokens: float, spec_ms: float, plain_ms: float,
+        costs_of: int,
+    ) -> Estimates:
+        """The estimates at ``costs_of``, each mode's step with its prefills: a mode admits
+        ``costs_of * tokens per step * admitted_per_token`` requests a step
+        (``PrefillCost``)."""
+        snapshot = self.snapshot
+        admitted = costs_of * snapshot.admitted_per_token
+        return Estimates(
+            batch_size, padded, tokens, spec_ms, plain_ms, costs_of,
+            snapshot.prefill_ms_per_step(True, admitted * tokens),
+            snapshot.prefill_ms_per_step(False, admitted),
+        )
 
     def decide(self, batch_size: int) -> bool:
         """Record one decode step of ``batch_size`` requests; True means run it as fallback."""
@@ -695,14 +787,16 @@ class GoodputPolicy:
 
     def _speculation_cannot_win(self, padded: int) -> bool:
         """Whether plain steps win at ``padded`` even if every draft token were accepted
-        (by its own costs, or by the largest size below it that has both)."""
+        (by its own costs with their prefills, or by the largest size below it that has both
+        by decode steps alone)."""
         most = self.config.max_tokens_per_step
         if most is None:
             return False
         table = self.snapshot.table
         spec_ms, plain_ms = table.step_ms(True, padded), table.step_ms(False, padded)
         if spec_ms and plain_ms:
-            return most / spec_ms < 1.0 / plain_ms
+            best = self._with_prefills(padded, padded, most, spec_ms, plain_ms, padded)
+            return best.spec_tok_s < best.plain_tok_s
         deciding = table.deciding_size(padded, most)
         return deciding is not None and deciding < padded
 
@@ -722,11 +816,15 @@ class GoodputPolicy:
         self.n_switches += 1
         if self._log is not None:
             costs_of = "" if est.costs_of == est.padded else f", step costs of bs {est.costs_of}"
+            prefills = est.spec_prefill_ms or est.plain_prefill_ms
+            spec_prefill = f" + {est.spec_prefill_ms:.2f} ms of prefills" if prefills else ""
+            plain_prefill = f" + {est.plain_prefill_ms:.2f} ms of prefills" if prefills else ""
             self._log(
                 f"[dynspec] auto: {before} -> {after} at decode bs={est.batch_size} "
                 f"(padded {est.padded}{costs_of}): spec {est.spec_tok_s:.0f} tok/s "
-                f"({est.tokens_per_step:.2f} tokens/step, {est.spec_ms:.2f} ms/step) vs "
-                f"plain {est.plain_tok_s:.0f} tok/s ({est.plain_ms:.2f} ms/step); "
+                f"({est.tokens_per_step:.2f} tokens/step, {est.spec_ms:.2f} ms/step"
+                f"{spec_prefill}) vs plain {est.plain_tok_s:.0f} tok/s ({est.plain_ms:.2f} "
+                f"ms/step{plain_prefill}); "
                 f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
                 f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
             )
@@ -801,6 +899,16 @@ class _Measured:
     started: int = 0
     # A probe's requests, in batch order (their ``rid``s): None for any other step.
     request_keys: tuple[Hashable, ...] | None = None
+
+
+@dataclass
+class _MeasuredPrefill:
+    """A prefill batch on the source rank, resolved with the decode step after it."""
+
+    step: int  # the decode step after it
+    requests: int
+    timing: Any
+    in_fallback: bool
 
 
 class StepTokens(NamedTuple):
@@ -969,9 +1077,23 @@ class Measurements:
         self._pending: list[_Measured] = []
         self._times: dict[tuple[bool, int], collections.deque[float]] = {}
         self._seen: collections.Counter[tuple[bool, int]] = collections.Counter()
+        self._pending_prefills: list[_MeasuredPrefill] = []
+        # (requests, ms) of the newest prefill batches, by whether they ran while speculating
+        self._prefills: dict[bool, collections.deque[tuple[int, float]]] = {
+            speculating: collections.deque(maxlen=config.prefill_window)
+            for speculating in (True, False)
+        }
+        # (tokens decoded, requests admitted since the step before) of the newest steps
+        self._admissions: collections.deque[tuple[float, int]] = collections.deque()
+        self._decoded = 0.0
+        self._admitted = 0
+        self._last_started: int | None = None
 
     def add(self, measured: _Measured) -> None:
         self._pending.append(measured)
+
+    def add_prefill(self, measured: _MeasuredPrefill) -> None:
+        self._pending_prefills.append(measured)
 
     def resolve(self, up_to_step: int) -> None:
         """Read every pending step at or before ``up_to_step`` (their GPU work is done)."""
@@ -988,14 +1110,48 @@ class Measurements:
                     key, collections.deque(maxlen=self.config.cost_window)
                 )
                 window.append(ms)
+            decoded = float(measured.requests)
             if measured.tokens_per_request is not None:
-                self._add_acceptance(measured, measured.tokens_per_request())
+                reading = measured.tokens_per_request()
+                decoded = reading.mean * measured.requests
+                self._add_acceptance(measured, reading)
             elif measured.in_fallback:
                 if self._in_probe:
                     self._show_first_probe()
                 self._in_probe = False  # a fallback step ends a probe
                 self._end_stretch()
+            self._add_admissions(measured.started, decoded)
         self._pending = keep
+        waiting: list[_MeasuredPrefill] = []
+        for prefill in self._pending_prefills:
+            if prefill.step > up_to_step:
+                waiting.append(prefill)
+                continue
+            ms = self.clock.elapsed_ms(prefill.timing)
+            if ms > 0:
+                self._prefills[not prefill.in_fallback].append((prefill.requests, ms))
+        self._pending_prefills = waiting
+
+    def _add_admissions(self, started: int, decoded: float) -> None:
+        """Count one step's tokens and the requests admitted since the step before it, over
+        the newest steps that decoded ``admission_tokens`` (a step whose acceptance could
+        not be read, 0 tokens, passes its admissions on to the next)."""
+        if decoded <= 0:
+            return
+        admitted = started - self._last_started if self._last_started is not None else 0
+        self._last_started = started
+        self._admissions.append((decoded, admitted))
+        self._decoded += decoded
+        self._admitted += admitted
+        window = self._admissions
+        while len(window) > 1 and self._decoded - window[0][0] >= self.config.admission_tokens:
+            tokens, requests = window.popleft()
+            self._decoded -= tokens
+            self._admitted -= requests
+
+    @property
+    def admitted_per_token(self) -> float:
+        return self._admitted / self._decoded if self._decoded > 0 else 0.0
 
     def _add_acceptance(self, measured: _Measured, reading: StepTokens) -> None:
         requests, padded, probe = measured.requests, measured.padded, measured.in_fallback
@@ -1179,6 +1335,9 @@ class Measurements:
             self._padded,
             self._held,
             tokens_of_stretch=self._raw is not None and not self._from_probe,
+            admitted_per_token=self.admitted_per_token,
+            prefill_spec=fit_prefill_cost(self._prefills[True]),
+            prefill_plain=fit_prefill_cost(self._prefills[False]),
         )
 
 
@@ -1259,14 +1418,24 @@ class AutoController:
         if self.metrics is not None:
             self.metrics.update(self.policy)
 
-    def note_prefill(self, requests: int) -> None:
-        """Count the requests of a prefill batch: they begin decoding next (a chunked
-        prompt counts at each chunk, which only shortens the acceptance window)."""
-        if self.source:
-            self.n_started += requests
+    def finish_prefill(self, started: Any, requests: int) -> None:
+        """Mark the end of a prefill batch begun at ``started`` (``start_step``): count its
+        requests, which begin decoding next (a chunked prompt counts at each chunk, which
+        only shortens the acceptance window and raises the admission rate a little), and time
+        it (``PrefillCost``)."""
+        if not self.source:
+            return
+        self.n_started += requests
+        self.measurements.add_prefill(
+            _MeasuredPrefill(
+                self.policy.steps, requests, self.measurements.clock.stop(started),
+                self.policy.in_fallback,
+            )
+        )
 
     def start_step(self) -> Any:
-        """Mark the start of the step just decided (source rank only; no sync)."""
+        """Mark the start of the step just decided, or of a prefill batch (source rank only;
+        no sync)."""
         return self.measurements.clock.start() if self.source else None
 
     def finish_step(
@@ -4054,11 +4223,28 @@ def _is_pure_decode(batch: Any) -> bool:
     return bool(mode.is_decode()) and not getattr(batch, "is_extend_in_batch", False)
 
 
-def _note_prefill(adapter: Adapter, batch: Any) -> None:
-    """Under ``auto``, count a prefill batch's requests (its acceptance window's bound)."""
+def _other_batch(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, Any]) -> Any:
+    """A batch that is not a pure decode batch (a prefill, mostly): None, the worker runs it
+    as usual; or run from here: in fallback, with the draft KV write in place of the draft's
+    pass (``DraftPrefillWrite``), and under ``auto`` a prefill timed and its requests counted
+    (``AutoController.finish_prefill``: the acceptance window's bound, ``PrefillCost``)."""
     controller = adapter.controller
-    if isinstance(controller, AutoController) and batch.forward_mode.is_extend():
-        controller.note_prefill(len(batch.seq_lens))
+    timed = isinstance(controller, AutoController) and bool(batch.forward_mode.is_extend())
+    if _prefill_stores_draft_kv_only(adapter, batch):
+        def run() -> Any:
+            return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
+    elif timed:
+        def run() -> Any:
+            return _run_own_entry(worker, adapter, batch, kwargs)
+    else:
+        return None
+    if not timed:
+        return run()
+    assert isinstance(controller, AutoController)
+    started = controller.start_step()
+    result = run()
+    controller.finish_prefill(started, len(batch.seq_lens))
+    return result
 
 
 def _decide(adapter: Adapter, batch: Any) -> bool:
@@ -4192,10 +4378,7 @@ def maybe_fallback_v1(worker: Any, batch: Any) -> Any:
     if adapter is None or adapter.reentered:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
-        _note_prefill(adapter, batch)
-        if _prefill_stores_draft_kv_only(adapter, batch):
-            return _prefill_with_draft_kv_write(worker, adapter, batch, {})
-        return None
+        return _other_batch(worker, adapter, batch, {})
     if _has_grammar(batch) and not adapter.grammar:
         return None
     if not _decide(adapter, batch):
@@ -4663,10 +4846,7 @@ def maybe_fallback_v2(worker: Any, batch: Any, **kwargs: Any) -> Any:
         return None
     if not _is_pure_decode(batch) or batch.spec_info is None:
         settle_draft_kv(adapter, worker)  # a prefill: its draft pass stores into fresh slots
-        _note_prefill(adapter, batch)
-        if _prefill_stores_draft_kv_only(adapter, batch):
-            return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
-        return None
+        return _other_batch(worker, adapter, batch, kwargs)
     stride = int(worker.speculative_num_draft_tokens)
     if (_has_grammar(batch) and not adapter.grammar) or getattr(
         worker.draft_worker, "speculative_num_draft_tokens", stride
