@@ -1360,6 +1360,15 @@ def test_a_switch_logs_each_modes_prefills_per_step():
     assert (f"spec {est.spec_tok_s:.0f} tok/s (2.00 tokens/step, 31.75 ms/step + "
             f"{est.spec_prefill_ms:.2f} ms of prefills) vs plain {est.plain_tok_s:.0f} tok/s "
             f"(8.32 ms/step + {est.plain_prefill_ms:.2f} ms of prefills)") in lines[0]
+    assert lines[0].endswith(
+        "; prefill batches speculating 7.90 + 0.55 ms a request, in fallback 7.90 + 0.55 ms a "
+        "request; 1 request admitted per 128 tokens"
+    )
+    no_prefills: list[str] = []
+    policy = GoodputPolicy(AutoConfig(), GRAPH_SIZES, log=no_prefills.append)
+    policy.adopt(Snapshot(2.0, H100_128))
+    modes_through(policy, [128] * 8)
+    assert "prefill" not in no_prefills[0] and no_prefills[0].endswith("probes=0")
 
 
 def test_the_admission_rate_is_read_over_the_newest_16384_tokens():

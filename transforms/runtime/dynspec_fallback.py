@@ -559,8 +559,9 @@ def padded_batch_size(batch_size: int, graph_sizes: list[int]) -> int:
 class GoodputPolicy:
     """The decision core of ``auto``: pure, torch-free, fed a ``Snapshot`` and batch sizes.
 
-    Per decode step it compares ``padded * tokens_per_step / spec_ms`` with
-    ``padded / plain_ms`` and switches mode after the other one won ``confirm_steps``
+    Per decode step it compares ``padded * tokens_per_step / (spec_ms + its prefills)`` with
+    ``padded / (plain_ms + its prefills)`` (each mode's prefill time per decode step,
+    ``PrefillCost``) and switches mode after the other one won ``confirm_steps``
     consecutive decisions by more than ``margin``. Whatever is unknown, and not decided by
     a measured size that bounds it (``CostTable.deciding_size``), keeps the current mode
     (speculation at start-up). It also says which steps run the other mode once:
@@ -827,7 +828,21 @@ class GoodputPolicy:
                 f"ms/step{plain_prefill}); "
                 f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
                 f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
+                f"{self._prefills_read() if prefills else ''}"
             )
+
+    def _prefills_read(self) -> str:
+        """What the prefill shares of a switch line come from: each mode's fitted batch cost
+        and the admission rate."""
+        snapshot = self.snapshot
+        costs = [
+            f"{mode} {cost.fixed_ms:.2f} + {cost.per_request_ms:.2f} ms a request"
+            for mode, cost in (("speculating", snapshot.prefill_spec),
+                               ("in fallback", snapshot.prefill_plain))
+            if cost is not None
+        ]
+        tokens = 1.0 / snapshot.admitted_per_token
+        return f"; prefill batches {', '.join(costs)}; 1 request admitted per {tokens:.0f} tokens"
 
 
 def _same_load(padded: int, other: int) -> bool:
