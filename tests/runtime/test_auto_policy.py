@@ -1371,8 +1371,8 @@ def test_a_switch_logs_each_modes_prefills_per_step():
     assert "prefill" not in no_prefills[0] and no_prefills[0].endswith("probes=0")
 
 
-def test_the_admission_rate_is_read_over_the_newest_16384_tokens():
-    measurements = Measurements(AutoConfig(), StepCosts())
+def test_the_admission_rate_is_read_over_the_newest_admission_tokens():
+    measurements = Measurements(AutoConfig(admission_tokens=16384), StepCosts())
     # 64 requests at 2 tokens a step (128 tokens), one admitted a step: 1 per 128 tokens
     verified(measurements, [(64, 2.0)] * 200, started=list(range(200)))
     assert measurements.admitted_per_token == pytest.approx(1 / 128)
