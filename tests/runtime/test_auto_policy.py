@@ -1071,7 +1071,7 @@ def constant_reading(tokens: StepTokens):
     return lambda: tokens
 
 
-POINT_ESTIMATE = AutoConfig(probe_confidence=0.0)
+POINT_ESTIMATE = AutoConfig(probe_confidence=0.0, probe_confidence_few=0.0)
 
 
 def test_a_probe_reads_the_harmonic_mean_of_its_requests_own_tokens_per_step():
@@ -1223,11 +1223,40 @@ def test_a_probe_counts_at_its_estimate_less_two_standard_errors_of_its_requests
     probe_steps(alike, [[2] * 16] * 4)
     assert alike.tokens_per_step == pytest.approx(2.0)
 
-    one = Measurements(AutoConfig(), StepCosts())
+    one = Measurements(AutoConfig(probe_confidence_few=2.0), StepCosts())
     probe_steps(one, [[1], [3], [1], [3]])
     variance = statistics.variance([1, 3, 1, 3])  # 4/3 about a mean of 2, over 4 readings
     steps = 1 / 2 - variance / (4 * 2**3)  # 1 / mean less its bias, as the estimate
     assert one.tokens_per_step == pytest.approx(1 / (steps + 2 * math.sqrt(variance / (4 * 2**4))))
+
+
+def test_below_8_requests_a_probe_counts_less_one_standard_error_not_two():
+    """One request's readings over a probe's steps spread wide (a 50 % request: 1 to 4 tokens
+    a step); at 2 standard errors its bound fell below the break-even at bs 1 where
+    speculating gives 1.3x plain steps, and a mixed load that fell to one request in fallback
+    stayed there."""
+    def bound(readings, z):
+        steps = [r for r in zip(*readings, strict=True)]
+        each = [1 / statistics.mean(r) - statistics.variance(r) / (len(r) * statistics.mean(r) ** 3)
+                for r in steps]
+        if len(each) == 1:
+            [r] = steps
+            error = math.sqrt(statistics.variance(r) / (len(r) * statistics.mean(r) ** 4))
+        else:
+            error = statistics.stdev(each) / math.sqrt(len(each))
+        return 1 / (statistics.mean(each) + z * error)
+
+    half = [[2], [1], [3], [1], [1], [2], [4], [1]]  # one 50 % request over 8 steps
+    one = Measurements(AutoConfig(), StepCosts())
+    probe_steps(one, half)
+    assert one.tokens_per_step == pytest.approx(bound(half, 1.0))
+    assert one.tokens_per_step > 6.86 / 4.82 * 1.02 > bound(half, 2.0)  # H200, bs 1: 1.45
+    seven = [[1, 2, 4, 1, 2, 3, 1]] * 2 + [[2, 2, 3, 1, 1, 4, 1]] * 2
+    probe_steps(few := Measurements(AutoConfig(), StepCosts()), seven)
+    assert few.tokens_per_step == pytest.approx(bound(seven, 1.0))
+    eight = [[1, 2, 4, 1, 2, 3, 1, 2]] * 2 + [[2, 2, 3, 1, 1, 4, 1, 1]] * 2
+    probe_steps(batch := Measurements(AutoConfig(), StepCosts()), eight)
+    assert batch.tokens_per_step == pytest.approx(bound(eight, 2.0))
 
 
 def test_a_stretch_after_a_probe_counts_at_its_own_mean_with_no_error_taken_off():

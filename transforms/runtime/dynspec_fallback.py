@@ -303,6 +303,13 @@ class AutoConfig:
     at ``speculating_tokens``'s bound, its estimate less this many standard errors (16 mixed
     requests over 4 steps read within ~17 %; on its estimate alone such a probe called
     speculation back in three of five simulated minutes at c = 16, where plain steps win).
+    ``probe_confidence_few``: the same below ``composition_min_batch`` requests, where a probe
+    reads one request's own acceptance over its 8 steps: a 50 %-acceptance request reads 1 to
+    4 tokens a step, and 2 standard errors took its bound below the break-even at bs 1
+    (1.45 tokens per step on an H200's costs) where speculating gives 1.3x plain steps; a
+    mixed load that fell to one request while in fallback then stayed there (the simulator
+    with an H200's costs, six seeds: the mix at c = 1 / 4 at worst 0.834 / 0.894 of the
+    better of plain steps and EAGLE-3 at 2, 0.999 / 0.978 at 1).
     ``prefill_window``: the newest prefill batches of each mode whose times ``PrefillCost``
     is fitted to; ``admission_tokens``: the admission rate (requests prefilled per token
     decoded) is read over the newest steps that decoded at least this many tokens (about 512
@@ -332,6 +339,7 @@ class AutoConfig:
     max_tokens_per_step: float | None = None
     probe_change: float = 0.3
     probe_confidence: float = 2.0
+    probe_confidence_few: float = 1.0
     prefill_window: int = 64
     admission_tokens: int = 65536
 
@@ -1204,13 +1212,19 @@ class Measurements:
             self._trim_window()
             window = self._verified
             if self._reads_by_request(window):
-                self._raw, self._raw_bound = speculating_tokens(
-                    window, self.config.probe_confidence
-                )
+                self._raw, self._raw_bound = speculating_tokens(window, self._confidence(requests))
             else:  # the running sums: a stretch's window can hold 1024 steps
                 self._raw = self._tokens / self._held
                 self._raw_bound = None
         self._publish()
+
+    def _confidence(self, requests: int) -> float:
+        """The standard errors a probe of ``requests`` requests a step counts less:
+        ``probe_confidence``, or ``probe_confidence_few`` below ``composition_min_batch``."""
+        config = self.config
+        if requests < config.composition_min_batch:
+            return config.probe_confidence_few
+        return config.probe_confidence
 
     def _reads_by_request(self, steps: Collection[_Verified]) -> bool:
         """Whether these are probe steps that say which request gave which tokens."""
