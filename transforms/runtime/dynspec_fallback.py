@@ -4260,20 +4260,14 @@ def _other_batch(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, An
     pass (``DraftPrefillWrite``), and under ``auto`` a prefill timed and its requests counted
     (``AutoController.finish_prefill``: the acceptance window's bound, ``PrefillCost``)."""
     controller = adapter.controller
-    timed = isinstance(controller, AutoController) and bool(batch.forward_mode.is_extend())
-    if _prefill_stores_draft_kv_only(adapter, batch):
-        def run() -> Any:
+    kv_write_only = _prefill_stores_draft_kv_only(adapter, batch)
+    if not (isinstance(controller, AutoController) and batch.forward_mode.is_extend()):
+        if kv_write_only:
             return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
-    elif timed:
-        def run() -> Any:
-            return _run_own_entry(worker, adapter, batch, kwargs)
-    else:
         return None
-    if not timed:
-        return run()
-    assert isinstance(controller, AutoController)
+    run = _prefill_with_draft_kv_write if kv_write_only else _run_own_entry
     started = controller.start_step()
-    result = run()
+    result = run(worker, adapter, batch, kwargs)
     controller.finish_prefill(started, len(batch.seq_lens))
     return result
 
