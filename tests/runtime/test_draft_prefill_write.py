@@ -137,6 +137,28 @@ def _largest(world: Any, first_slot: int, tokens: int, which: str) -> str:
     return f"{float((k if which == 'k' else v).abs().max()):.3g}"
 
 
+def test_under_auto_a_kv_only_prefill_in_fallback_is_timed_too(shapes):
+    """``auto`` times every prefill batch (``PrefillCost``): in fallback that is the draft KV
+    write's prefill, run from the hook, not SGLang's draft pass."""
+    from tests.runtime.standins import world_with_draft_model
+
+    world = world_with_draft_model(shapes["0.5.17"], threshold="auto", speculative_num_steps=3,
+                                   speculative_num_draft_tokens=N)
+    controller = dyn._adapter_for(world.worker, "v2").controller
+    assert isinstance(controller, dyn.AutoController)
+    controller.policy.in_fallback = True  # as after a switch: the next steps run plain
+    for _ in range(4):  # (the first may be an explore step: no speculative cost known yet)
+        step(world, 3, 10)
+    assert adapter_of(world).draft_kv_write.checked
+    model = inner_model(world)
+    prefill(world, [3, 5], 6000)  # both passes, compared
+    result = prefill(world, [4, 2], 7000)  # K and V alone
+    assert model.passes == 1 and result is not None and adapter_of(world).draft_state_stale
+    timed = controller.measurements._pending_prefills
+    assert [(p.requests, p.in_fallback) for p in timed] == [(2, True), (2, True)]
+    assert controller.n_started == 4
+
+
 @pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_after_a_kv_only_prefill_waits_for_one_step_with_the_draft_extend(shapes):
     world = make_world(shapes)
