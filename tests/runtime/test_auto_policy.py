@@ -337,7 +337,8 @@ def test_at_the_load_speculation_was_just_left_4_probes_worth_switch_back_there(
     the last switch, within ``flap_window`` steps of it, switching back needs 4 probes'
     requests (at most 256; probes that agree pool): at 8 requests or more from the first time
     on, where a probe reads the batch's composition; below 8, where each request's acceptance
-    is its own, the first time one probe's requests do, after a flap 4 probes'."""
+    is its own and probes of other requests would not agree to pool, one probe's requests do,
+    after a flap too (with the flap's 4x the wins)."""
     config = AutoConfig()
     confirm = config.confirm_steps
     for bs, needed in ((32, 256), (16, 256), (8, 256)):
@@ -347,7 +348,7 @@ def test_at_the_load_speculation_was_just_left_4_probes_worth_switch_back_there(
         assert all(modes_through(policy, [bs] * 200)), bs
         policy.adopt(Snapshot(4.0, table(), bs, needed))
         assert modes_through(policy, [bs] * confirm)[-1] is False, bs
-    for bs, needed in ((4, 128), (1, 32)):
+    for bs in (4, 1):
         policy = policy_with(1.0)
         modes_through(policy, [bs] * confirm)
         policy.adopt(Snapshot(4.0, table(), bs, 1))  # the first time: any probe
@@ -355,10 +356,11 @@ def test_at_the_load_speculation_was_just_left_4_probes_worth_switch_back_there(
         policy.adopt(Snapshot(1.0, table(), bs, 256))
         assert modes_through(policy, [bs] * 4 * confirm)[-1] is True, bs  # a flap: 4x
         assert policy._recent_flaps() == 2
-        policy.adopt(Snapshot(4.0, table(), bs, needed - 1))
-        assert all(modes_through(policy, [bs] * 200)), bs
-        policy.adopt(Snapshot(4.0, table(), bs, needed))
-        assert modes_through(policy, [bs] * 16 * confirm)[-1] is False, bs
+        policy.adopt(Snapshot(4.0, table(), bs, 1))  # one probe of one request
+        modes_through(policy, [bs] * (16 * confirm - 1))
+        assert policy.in_fallback, bs  # two flaps: 16x the wins
+        modes_through(policy, [bs])
+        assert not policy.in_fallback, bs
     # flap_window steps after the switch, one probe's requests switch back there again
     policy = policy_with(1.0)
     modes_through(policy, [16] * confirm)
