@@ -72,8 +72,13 @@ def test_the_clients_share_is_its_whole_process(tmp_path):
 def test_a_second_spinning_process_on_the_schedulers_cpu_shows_as_waiting():
     """The scheduler spinning on CPU 0 with the detokenizer on CPU 1, then both on CPU 0.
     Compared with each other, not with fixed figures: whatever else runs on CPU 0 (a test
-    machine's other work) adds to both samples alike."""
-    alone = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 1)])
+    machine's other work) adds to both samples alike, unless it came during one sample only:
+    an alone sample that did not have CPU 0 to itself is taken again (a local CI run beside
+    six simulator processes read 49 % alone and 48.9 % paired)."""
+    for _ in range(3):
+        alone = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 1)])
+        if alone["processes"]["scheduler"]["cpu_pct"] >= 90:
+            break
     paired = sampled([("sglang::scheduler", 0), ("sglang::detokenizer", 0)])
     for s in (alone, paired):
         assert s["processes"]["scheduler"]["cpus"] == [0]
