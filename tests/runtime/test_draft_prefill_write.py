@@ -36,11 +36,11 @@ def _levers_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dyn.DRAFT_PREFILL_WRITE_ENV, "1")
 
 
-def make_world(shapes: Any, version: str = "0.5.17") -> Any:
+def make_world(shapes: Any, version: str = "0.5.17", **server_args: Any) -> Any:
     from tests.runtime.standins import world_with_draft_model
 
     return world_with_draft_model(
-        shapes[version], speculative_num_steps=3, speculative_num_draft_tokens=N
+        shapes[version], speculative_num_steps=3, speculative_num_draft_tokens=N, **server_args
     )
 
 
@@ -140,10 +140,7 @@ def _largest(world: Any, first_slot: int, tokens: int, which: str) -> str:
 def test_under_auto_a_kv_only_prefill_in_fallback_is_timed_too(shapes):
     """``auto`` times every prefill batch (``PrefillCost``): in fallback that is the draft KV
     write's prefill, run from the hook, not SGLang's draft pass."""
-    from tests.runtime.standins import world_with_draft_model
-
-    world = world_with_draft_model(shapes["0.5.17"], threshold="auto", speculative_num_steps=3,
-                                   speculative_num_draft_tokens=N)
+    world = make_world(shapes, threshold="auto")
     controller = dyn._adapter_for(world.worker, "v2").controller
     assert isinstance(controller, dyn.AutoController)
     controller.policy.in_fallback = True  # as after a switch: the next steps run plain
