@@ -1,6 +1,6 @@
 """The envelope table and plot (issue 16) from the kit's envelope results.
 
-usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log AUTO_SERVER_LOG]
+usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log [SERVER=]LOG ...]
   RESULTS_JSON  name -> envelope.py result, as the kit's session writes $OUT/results.json:
                 env-base (plain decoding), env-eagle (unpatched EAGLE-3), env-fixed-T<N> (one
                 per hand-picked T), env-auto (--speculative-disable-batch-threshold auto);
@@ -8,9 +8,11 @@ usage: python benchmarks/gpu/envelope_report.py RESULTS_JSON [OUT_SVG] [--log AU
                 table shows them side by side
   OUT_SVG       the plot (default: envelope.svg beside RESULTS_JSON): output tok/s against
                 concurrency, one panel per acceptance region, the servers as lines
-  --log         the (first) auto server's log: its ``[dynspec] auto:`` switch lines, laid
-                against the levels' wall-clock spans, give each level's switches and how long
-                after the level's start the first one came (the burst goal: within 2 s each way)
+  --log         an auto server's log (SERVER=LOG, e.g. env-auto@2=env-auto@2.server.log; a
+                bare LOG is env-auto's), as often as there are auto servers: its ``[dynspec]
+                auto:`` switch lines, laid against that server's levels' wall-clock spans, give
+                each level's switches and how long after the level's start the first one came
+                (the burst goal: within 2 s each way)
 
 Per region and concurrency c the table shows each server's output tok/s (the mean of its
 repeats), the best fixed T at that c (which T in brackets), auto ÷ max(plain, EAGLE-3) and
@@ -354,14 +356,24 @@ def main(argv: list[str]) -> None:
     parser.add_argument("results", type=Path, metavar="RESULTS_JSON")
     parser.add_argument("out_svg", type=Path, nargs="?", metavar="OUT_SVG",
                         help="the plot (default: envelope.svg beside RESULTS_JSON)")
-    parser.add_argument("--log", type=Path, metavar="AUTO_SERVER_LOG",
-                        help="the first auto server's log: its switches per level")
+    parser.add_argument("--log", action="append", default=[], metavar="[SERVER=]LOG",
+                        help="an auto server's log (bare: env-auto's): its switches per level; "
+                             "repeat it for each auto server")
     args = parser.parse_args(argv)
-    path, log = args.results, args.log
+    path = args.results
     try:
         per_server = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         parser.exit(2, f"envelope_report.py: cannot read {path}: {exc}\n")
+    logs = []
+    for given in args.log:
+        server, _, log_path = given.rpartition("=") if "=" in given else (AUTO, "", given)
+        if server not in per_server:
+            parser.exit(2, f"envelope_report.py: --log {given}: no server {server!r} in {path}\n")
+        try:
+            logs.append((server, Path(log_path).read_text(errors="replace")))
+        except OSError as exc:
+            parser.exit(2, f"envelope_report.py: cannot read {log_path}: {exc}\n")
     results = pooled(per_server)
     out_svg = args.out_svg or path.parent / "envelope.svg"
     table = envelope(results)
@@ -382,9 +394,9 @@ def main(argv: list[str]) -> None:
         print(spread)
     print("\n## Outputs checked against the crafted continuation\n")
     print(correctness(per_server))
-    if log is not None:  # the first auto server's log
-        print("\n## auto's switches per level\n")
-        print(switches_per_level(per_server.get(AUTO, {}), log.read_text(errors="replace")))
+    for server, log_text in logs:
+        print(f"\n## auto's switches per level ({server})\n")
+        print(switches_per_level(per_server[server], log_text))
     title = f"output tok/s vs concurrency, SGLang {auto_args.get('version') or '?'}"
     out_svg.write_text(svg(results, table, title))
     print(f"\nwrote {out_svg}")

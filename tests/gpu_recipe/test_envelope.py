@@ -387,3 +387,44 @@ def test_the_gpu_each_server_ran_on_is_summarised_where_recorded():
     assert "| env-auto | 2 | 1940 | 1700 | 61 | 600 | sw_power_cap |" in table
     assert "env-base" not in table  # nothing recorded there
     assert envelope_report.gpu_clocks({"env-base": results["env-base"]}) == ""
+
+
+def test_each_auto_servers_log_is_laid_against_its_own_levels(tmp_path, capsys):
+    start = 1796148530.4  # 2026-12-01 18:08:50.4 UTC
+    results = {
+        "env-auto": {"levels": [{**level("accept0", 1, 150.0), "started_unix": start,
+                                 "ended_unix": start + 10.0}]},
+        "env-auto@2": {"levels": [{**level("accept50", 32, 3600.0),
+                                   "started_unix": start + 100.0,
+                                   "ended_unix": start + 110.0}]},
+        "env-base": {"levels": [level("accept0", 1, 160.0)]},
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    first.write_text("[2026-12-01 18:08:53] [dynspec] auto: spec -> fallback at decode bs=1 "
+                     "(padded 1): x\n")
+    second.write_text("[2026-12-01 18:10:33] [dynspec] auto: spec -> fallback at decode bs=32 "
+                      "(padded 32): x\n")
+    envelope_report.main([str(path), "--log", str(first), "--log", f"env-auto@2={second}"])
+    out = capsys.readouterr().out
+    bare = out.split("## auto's switches per level (env-auto)\n")[1].split("##")[0]
+    named = out.split("## auto's switches per level (env-auto@2)\n")[1]
+    assert "| sweep | accept0 | 1 | 1 | 4 s or less (to fallback at bs 1) |" in bare
+    assert "accept50" not in bare
+    assert "| sweep | accept50 | 32 | 1 | 4 s or less (to fallback at bs 32) |" in named
+    assert "accept0" not in named
+
+
+def test_a_log_for_a_server_the_results_lack_is_one_line_and_exit_2(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"env-auto": {"levels": [level("accept0", 1, 150.0)]}}))
+    log = tmp_path / "auto.log"
+    log.write_text("")
+    for given in (f"env-auto@2={log}", str(tmp_path / "missing.log")):
+        with pytest.raises(SystemExit) as stop:
+            envelope_report.main([str(path), "--log", given])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "envelope_report.py: " in err
+    assert not (tmp_path / "envelope.svg").exists()
