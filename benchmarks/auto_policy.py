@@ -17,7 +17,13 @@ envelope (``benchmarks/gpu/kit``, ``env-*``) is the measurement.
 
     python benchmarks/auto_policy.py [--duration 10] [--levels 1,4,16,32,64,128]
         [--regions accept0,accept50,accept90,mix] [--thresholds 4,8,16,32,64] [--seed 1]
-        [--olen 128] [--olen-spread 0.5] [--burst 1,64,1]
+        [--olen 128] [--olen-spread 0.5] [--burst 1,64,1] [--costs h200|h100]
+        [--sequence REGION:C:SECONDS,...]
+
+``--costs h100``: an H100's step costs (``h100_costs``) in place of the H200's.
+``--sequence``: instead of the sweep and the burst, these levels in this order on every
+server (e.g. a GPU hold's replay: ``mix:4:1.2,accept0:1:10,accept90:1:10,accept0:1:10``),
+one table with auto's ratio and switches per level.
 
 ``--olen-spread s``: each request's length uniform in OLEN * (1 +- s), as ``envelope.py
 --olen-spread`` (default 0.5, as the 2026-12-03 GPU envelope ran); 0 gives every request one
@@ -53,6 +59,7 @@ MEASURED = CostTable({
     1: (6.86, 4.82), 2: (6.92, 4.86), 4: (7.09, 4.88), 6: (7.46, 4.90), 8: (7.85, 4.91),
     14: (9.21, 5.09), 16: (9.19, 5.12), 32: (11.2, 5.40), 64: (16.6, 5.70), 128: (28.8, 6.50),
 })
+H100_PREFILL_MS = (7.9, 0.55)  # an H100's prefill step (set as PREFILL_MS is, on H100 plain)
 DRAFT_EXTEND_MS = (1.0, 0.008)  # the step before speculation resumes: + a + b * bs
 # A prefill step: a + b * new requests (64-token prompts); set so that plain decoding's levels
 # come within 5 % of the H200's plain server on 2026-12-03 (c = 16 ... 128, lengths 128 +- 50 %).
@@ -62,6 +69,30 @@ REGIONS = {"accept0": 0.0, "accept50": 0.5, "accept90": 0.9}
 MIX = "mix"
 NUM_STEPS = 3  # draft tokens per speculative step (steps 3, topk 1)
 NOISE = 0.03
+
+
+def h100_costs(h200: CostTable) -> CostTable:
+    """An H100's step costs: the H200's scaled to what the H100 holds' switch lines read
+    (2026-12-06 and 07: a speculative step 8.8 / 11.0 / 13.8 ms and a plain one 6.1 / 6.6 /
+    6.6 ms at bs 1 / 16 / 32): speculative x1.28 at bs 1 falling to x1.21 from bs 16, plain
+    x1.27. Nothing above bs 32 was read there; against the fifteenth hold's servers (one
+    seed, 10-s levels) simulated plain decoding comes within 3 % at c <= 16 and 4-8 % low at
+    c >= 32, EAGLE-3 at 90 % within 3 % at c <= 32 and 5-7 % low above, at 50 % 4 % low at
+    c = 1 and 7-14 % low at c >= 16: ratios between servers, not their tok/s, are what it
+    is for."""
+    return CostTable({
+        bs: (spec * (1.28 - 0.07 * min(1.0, (bs - 1) / 15)), plain * 1.27)
+        for bs, (spec, plain) in h200.entries.items()
+    })
+
+
+def use_costs(name: str) -> None:
+    """Simulate on ``name``'s step costs from here on: "h200" (measured) or "h100"."""
+    global MEASURED, PREFILL_MS
+    MEASURED, PREFILL_MS = COSTS[name]
+
+
+COSTS = {"h200": (MEASURED, PREFILL_MS), "h100": (h100_costs(MEASURED), H100_PREFILL_MS)}
 
 
 def cost_ms(speculative: bool, padded: int) -> float:
@@ -244,14 +275,62 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--burst", default="1,64,1",
                     help="accept50 levels run after the sweep (envelope.py's burst); empty: none")
+    ap.add_argument("--costs", choices=sorted(COSTS), default="h200",
+                    help="whose step costs: the H200's measured table or an H100's")
+    ap.add_argument("--sequence", type=parse_sequence, default=None,
+                    metavar="REGION:C:SECONDS,...",
+                    help="these levels in this order instead of the sweep and the burst")
     return ap.parse_args()
+
+
+def parse_sequence(text: str) -> list[tuple[str, int, float]]:
+    """``REGION:C:SECONDS,...`` as levels; a bad one is argparse's one-line error."""
+    levels = []
+    for item in text.split(","):
+        parts = item.split(":")
+        try:
+            region, conc, seconds = parts[0], int(parts[1]), float(parts[2])
+        except (IndexError, ValueError):
+            raise argparse.ArgumentTypeError(f"{item!r} is not REGION:C:SECONDS") from None
+        if len(parts) != 3 or region not in (*REGIONS, MIX) or conc < 1 or seconds <= 0:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: REGION one of {', '.join((*REGIONS, MIX))}, C >= 1, SECONDS > 0")
+        levels.append((region, conc, seconds))
+    return levels
+
+
+def run_sequence(levels: list[tuple[str, int, float]], args: argparse.Namespace,
+                 console: Console) -> None:
+    """The levels in order on plain decoding, EAGLE-3 and auto; one table."""
+    kinds = ("plain", "eagle", "auto")
+    sims = {kind: Simulation(kind, args.seed) for kind in kinds}
+    table = Table(title=f"sequence ({args.costs} costs): simulated output tok/s")
+    for column in ("level", "region", "c", "s", "plain", "EAGLE-3", "auto", "auto ÷ max",
+                   "auto switches"):
+        table.add_column(column, justify="right")
+    worst = 1.0
+    for number, (region, conc, seconds) in enumerate(levels, 1):
+        results = {kind: sims[kind].level(region, conc, seconds, args.olen, args.olen_spread)
+                   for kind in kinds}
+        auto = results["auto"]
+        over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
+        worst = min(worst, over_max)
+        table.add_row(str(number), region, str(conc), f"{seconds:g}",
+                      f"{results['plain'].tok_s:.0f}", f"{results['eagle'].tok_s:.0f}",
+                      f"{auto.tok_s:.0f}", f"{over_max:.3f}", str(auto.switches))
+    console.print(table)
+    console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst:.3f}")
 
 
 def main() -> None:
     args = parse_args()
+    use_costs(args.costs)
+    console = Console()
+    if args.sequence is not None:
+        run_sequence(args.sequence, args, console)
+        return
     levels = [int(x) for x in args.levels.split(",")]
     fixed = [f"T{t}" for t in args.thresholds.split(",")]
-    console = Console()
     worst_max, worst_fixed = 1.0, 1.0
     regions = args.regions.split(",")
     kinds = ("plain", "eagle", *fixed, "auto")

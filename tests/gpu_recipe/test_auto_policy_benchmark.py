@@ -93,13 +93,40 @@ def test_a_minute_at_an_h100s_thinner_margin_switches_once_at_most(monkeypatch):
     at bs 1 / 16, 2026-12-06), where speculation loses at c = 16 by ~5 % instead of ~10 %:
     over ten seeds, one probe of 16 requests short of low-acceptance ones read a rise and
     alone called speculation back (three switches); held until the next probe agrees, none."""
-    entries = auto_policy.MEASURED.entries
-    h100 = {
-        bs: (spec * (1.28 - 0.07 * min(1.0, (bs - 1) / 15)), plain * 1.27)
-        for bs, (spec, plain) in entries.items()
-    }
-    monkeypatch.setattr(auto_policy, "MEASURED", auto_policy.CostTable(h100))
+    monkeypatch.setattr(auto_policy, "MEASURED", auto_policy.h100_costs(auto_policy.MEASURED))
     assert auto_policy.cost_ms(False, 16) == pytest.approx(6.50, abs=0.01)
     assert auto_policy.cost_ms(True, 16) == pytest.approx(11.12, abs=0.01)
     for seed in range(1, 11):
         assert switches_in_a_minute_at_16(seed) <= 1, seed
+
+
+def sequence_rows(*args: str) -> list[list[str]]:
+    """The table rows ``auto_policy.py --sequence`` prints, as cells."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "auto_policy.py"), *args],
+                          capture_output=True, text=True, check=True, timeout=120)
+    rows = [line.split("│")[1:-1] for line in done.stdout.splitlines() if line.count("│") == 10]
+    return [[cell.strip() for cell in row] for row in rows]
+
+
+def test_a_sequence_runs_its_levels_in_order_on_the_costs_asked_for():
+    """A GPU hold's replay: the levels in the order given, one server each kind through all
+    of them; the H100's costs give slower plain steps than the H200's measured ones."""
+    levels = "accept90:1:1,accept0:1:2"
+    h200, h100 = sequence_rows("--sequence", levels), sequence_rows("--costs", "h100",
+                                                                   "--sequence", levels)
+    assert [row[:4] for row in h200] == [["1", "accept90", "1", "1"], ["2", "accept0", "1", "2"]]
+    assert [row[:4] for row in h100] == [row[:4] for row in h200]
+    plain_h200, plain_h100 = float(h200[1][4]), float(h100[1][4])
+    assert plain_h100 == pytest.approx(plain_h200 / 1.27, rel=0.05)
+    eagle_90, auto_90 = float(h100[0][5]), float(h100[0][6])
+    assert auto_90 > 0.9 * eagle_90  # 90 % at one request: auto speculates
+
+
+def test_a_bad_sequence_level_is_refused_before_anything_runs():
+    for bad in ("mix:x:1", "accept70:1:1", "mix:0:1", "mix:1", "mix:1:1:1"):
+        done = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "auto_policy.py"), "--sequence", bad],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 2, bad
+        assert done.stdout == "" and f"argument --sequence: {bad!r}" in done.stderr
