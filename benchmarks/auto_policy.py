@@ -59,11 +59,11 @@ MEASURED = CostTable({
     1: (6.86, 4.82), 2: (6.92, 4.86), 4: (7.09, 4.88), 6: (7.46, 4.90), 8: (7.85, 4.91),
     14: (9.21, 5.09), 16: (9.19, 5.12), 32: (11.2, 5.40), 64: (16.6, 5.70), 128: (28.8, 6.50),
 })
-H100_PREFILL_MS = (7.9, 0.55)  # an H100's prefill step (set as PREFILL_MS is, on H100 plain)
 DRAFT_EXTEND_MS = (1.0, 0.008)  # the step before speculation resumes: + a + b * bs
 # A prefill step: a + b * new requests (64-token prompts); set so that plain decoding's levels
 # come within 5 % of the H200's plain server on 2026-12-03 (c = 16 ... 128, lengths 128 +- 50 %).
 PREFILL_MS = (6.0, 0.5)
+H100_PREFILL_MS = (7.9, 0.55)  # an H100's prefill step (set as PREFILL_MS is, on H100 plain)
 DRAFT_PREFILL_SHARE = 0.1  # what an EAGLE-3 server's draft adds to a prefill step (a guess)
 REGIONS = {"accept0": 0.0, "accept50": 0.5, "accept90": 0.9}
 MIX = "mix"
@@ -299,27 +299,25 @@ def parse_sequence(text: str) -> list[tuple[str, int, float]]:
     return levels
 
 
-def run_sequence(levels: list[tuple[str, int, float]], args: argparse.Namespace,
-                 console: Console) -> None:
-    """The levels in order on plain decoding, EAGLE-3 and auto; one table."""
-    kinds = ("plain", "eagle", "auto")
-    sims = {kind: Simulation(kind, args.seed) for kind in kinds}
-    table = Table(title=f"sequence ({args.costs} costs): simulated output tok/s")
+def sequence_table(sims: dict[str, Simulation], levels: list[tuple[str, int, float]],
+                   args: argparse.Namespace, title: str) -> tuple[Table, float]:
+    """The levels in order on the plain, EAGLE-3 and auto simulations (each goes on from
+    where it stands): one table, and the worst auto ÷ max(plain, EAGLE-3) in it."""
+    table = Table(title=title)
     for column in ("level", "region", "c", "s", "plain", "EAGLE-3", "auto", "auto ÷ max",
                    "auto switches"):
         table.add_column(column, justify="right")
     worst = 1.0
     for number, (region, conc, seconds) in enumerate(levels, 1):
         results = {kind: sims[kind].level(region, conc, seconds, args.olen, args.olen_spread)
-                   for kind in kinds}
+                   for kind in ("plain", "eagle", "auto")}
         auto = results["auto"]
         over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
         worst = min(worst, over_max)
         table.add_row(str(number), region, str(conc), f"{seconds:g}",
                       f"{results['plain'].tok_s:.0f}", f"{results['eagle'].tok_s:.0f}",
                       f"{auto.tok_s:.0f}", f"{over_max:.3f}", str(auto.switches))
-    console.print(table)
-    console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst:.3f}")
+    return table, worst
 
 
 def main() -> None:
@@ -327,7 +325,11 @@ def main() -> None:
     use_costs(args.costs)
     console = Console()
     if args.sequence is not None:
-        run_sequence(args.sequence, args, console)
+        sims = {kind: Simulation(kind, args.seed) for kind in ("plain", "eagle", "auto")}
+        table, worst = sequence_table(sims, args.sequence, args,
+                                      f"sequence ({args.costs} costs): simulated output tok/s")
+        console.print(table)
+        console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst:.3f}")
         return
     levels = [int(x) for x in args.levels.split(",")]
     fixed = [f"T{t}" for t in args.thresholds.split(",")]
@@ -358,20 +360,10 @@ def main() -> None:
         console.print(table)
     burst = [int(x) for x in args.burst.split(",") if x]
     if burst:  # after the sweep, as envelope.py runs it: a load change after the last region
-        table = Table(title="burst after the sweep, accept50: simulated output tok/s")
-        for column in ("c", "plain", "EAGLE-3", "auto", "auto ÷ max", "auto switches"):
-            table.add_column(column, justify="right")
-        for c in burst:
-            results = {
-                kind: sims[kind].level("accept50", c, args.duration, args.olen, args.olen_spread)
-                for kind in ("plain", "eagle", "auto")
-            }
-            auto = results["auto"]
-            over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
-            worst_max = min(worst_max, over_max)
-            table.add_row(str(c), f"{results['plain'].tok_s:.0f}",
-                          f"{results['eagle'].tok_s:.0f}", f"{auto.tok_s:.0f}",
-                          f"{over_max:.3f}", str(auto.switches))
+        table, worst = sequence_table(
+            sims, [("accept50", c, args.duration) for c in burst], args,
+            "burst after the sweep, accept50: simulated output tok/s")
+        worst_max = min(worst_max, worst)
         console.print(table)
     console.print(f"worst auto ÷ max(plain, EAGLE-3): {worst_max:.3f}; "
                   f"worst auto ÷ best fixed T: {worst_fixed:.3f}")
