@@ -367,7 +367,7 @@ def main(argv: list[str]) -> None:
         parser.exit(2, f"envelope_report.py: cannot read {path}: {exc}\n")
     logs = []
     for given in args.log:
-        server, _, log_path = given.rpartition("=") if "=" in given else (AUTO, "", given)
+        server, _, log_path = given.partition("=") if "=" in given else (AUTO, "", given)
         if server not in per_server:
             parser.exit(2, f"envelope_report.py: --log {given}: no server {server!r} in {path}\n")
         try:

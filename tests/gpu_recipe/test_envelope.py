@@ -401,7 +401,7 @@ def test_each_auto_servers_log_is_laid_against_its_own_levels(tmp_path, capsys):
     }
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
-    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    first, second = tmp_path / "first.log", tmp_path / "second=run.log"  # "=" in a path
     first.write_text("[2026-12-01 18:08:53] [dynspec] auto: spec -> fallback at decode bs=1 "
                      "(padded 1): x\n")
     second.write_text("[2026-12-01 18:10:33] [dynspec] auto: spec -> fallback at decode bs=32 "
