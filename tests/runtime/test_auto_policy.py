@@ -466,6 +466,14 @@ def test_below_eight_requests_a_probe_costs_at_most_probe_share_of_the_fallback_
     # 0: up to probe_gap_max (1024), as at 8 requests and more with any share
     assert spacing(1, probe_share=0) == [22, 39, 71, 135, 263, 519, 1031, 1031]
     assert spacing(8) == spacing(1, probe_share=0)
+    # never below probe_gap: a probe 3 % dearer at 4 % is 6 steps' worth, the gap stays 16
+    cheap = policy_with(1.0, table(spec=lambda bs: 1.03 * plain_ms(bs)), probe_share=0.04)
+    starts = probe_starts(cheap, 1, 3000)
+    assert {b - a for a, b in itertools.pairwise(starts)} == {22, 23}
+    # speculating, the plain probe step still comes every probe_gap_max steps at bs 1
+    speculating = policy_with(3.0)
+    plain_steps = [i for i in range(5000) if speculating.decide(1)]
+    assert not speculating.in_fallback and plain_steps == [1023, 2047, 3071, 4095]
 
 
 def test_a_switch_logs_the_estimates_that_decided_it():
