@@ -729,7 +729,7 @@ class GoodputPolicy:
         at one request, gave 0.737 of EAGLE-3 over the 90 % level's first 10 s, 0.957 over 30 s
         (the simulator with an H100's costs, six seeds). At 1 % a probe of 8 steps at bs 1 (each
         46 % dearer than a plain one) comes every 368 steps: 0.849 and 0.984, for 0.3-0.5 %
-        of the fallback levels below 8 requests. At larger loads such a rise came within 2 %
+        of the fallback levels below 8 requests. At larger loads such a rise came within about 2 %
         of the better at the 1 024-step gap, so the cap stays there (each probe step there
         costs up to 3x a plain one)."""
         config = self.config
