@@ -445,37 +445,6 @@ def test_in_fallback_the_probe_gap_starts_again_when_the_load_moves_2x():
     assert all(not decisions[i + 1] for i in starts[:-1])
 
 
-def probe_starts(policy: GoodputPolicy, bs: int, steps: int) -> list[int]:
-    """The steps at which a speculative probe began, over ``steps`` decisions at ``bs``."""
-    decisions = [policy.decide(bs) for _ in range(steps)]
-    return [i for i, fallback in enumerate(decisions) if not fallback and decisions[i - 1]]
-
-
-def test_below_eight_requests_a_probe_costs_at_most_probe_share_of_the_fallback_time():
-    def spacing(bs: int, **config) -> list[int]:
-        starts = probe_starts(policy_with(1.0, **config), bs, 6000)
-        return [b - a for a, b in itertools.pairwise(starts)][:8]
-
-    # The gap doubles (16, 32, ... steps, each probe 8 steps long) up to a cap. At bs 1 a
-    # probe's 8 steps each cost spec_ms(1) / plain_ms(1) - 1 = 48 % more than a plain step:
-    # 3.86 plain steps' extra time, 1 % of 386 steps, so probes come every 386 + 8 steps.
-    assert spacing(1) == [22, 39, 71, 135, 263, 394, 394, 394]
-    assert spacing(1, probe_share=0.02) == [22, 39, 71, 135, 201, 201, 201, 201]
-    # bs 4: 8 steps each 63 % dearer, 5.05 steps' extra: every 505 + 8
-    assert spacing(4)[5:] == [513, 513, 513]
-    # 0: up to probe_gap_max (1024), as at 8 requests and more with any share
-    assert spacing(1, probe_share=0) == [22, 39, 71, 135, 263, 519, 1031, 1031]
-    assert spacing(8) == spacing(1, probe_share=0)
-    # never below probe_gap: a probe 3 % dearer at 4 % is 6 steps' worth, the gap stays 16
-    cheap = policy_with(1.0, table(spec=lambda bs: 1.03 * plain_ms(bs)), probe_share=0.04)
-    starts = probe_starts(cheap, 1, 3000)
-    assert {b - a for a, b in itertools.pairwise(starts)} == {22, 23}
-    # speculating, the plain probe step still comes every probe_gap_max steps at bs 1
-    speculating = policy_with(3.0)
-    plain_steps = [i for i in range(5000) if speculating.decide(1)]
-    assert not speculating.in_fallback and plain_steps == [1023, 2047, 3071, 4095]
-
-
 def test_a_switch_logs_the_estimates_that_decided_it():
     lines: list[str] = []
     policy = GoodputPolicy(AutoConfig(confirm_steps=2), GRAPH_SIZES, log=lines.append)

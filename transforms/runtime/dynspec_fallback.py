@@ -271,10 +271,7 @@ class AutoConfig:
     ``probe_gap_max``: in fallback, a speculative probe after this many fallback steps, the
     gap doubling after each probe (up to the cap) until speculation is back, and back to
     ``probe_gap`` when the padded batch size moves 2x; speculating, one plain probe step every
-    ``probe_gap_max`` steps. ``probe_share``: in fallback below ``composition_min_batch``
-    requests, the gap grows only to the steps that keep a probe's extra time within this share
-    of the fallback steps' (``GoodputPolicy._probe_gap_cap``; 0: to ``probe_gap_max`` at every
-    load). ``probe_requests`` / ``probe_steps_min`` / ``probe_steps_max``: a
+    ``probe_gap_max`` steps. ``probe_requests`` / ``probe_steps_min`` / ``probe_steps_max``: a
     speculative probe runs consecutive steps until it has verified this many requests and run
     at least ``probe_steps_min`` steps (a request's own tokens per step is read over them), at
     most ``probe_steps_max`` steps, and stops when the padded batch size moves 2x from the one
@@ -328,7 +325,6 @@ class AutoConfig:
     flap_max: int = 5
     probe_gap: int = 16
     probe_gap_max: int = 1024
-    probe_share: float = 0.01
     probe_requests: int = 64
     probe_steps_min: int = 2
     probe_steps_max: int = 8
@@ -686,7 +682,7 @@ class GoodputPolicy:
                 self._since_probe = 0
             self._gap_padded = padded
             self._since_probe += 1
-            due = self._since_probe >= min(self._probe_gap, self._probe_gap_cap(padded))
+            due = self._since_probe >= self._probe_gap
             if due and not (self.in_fallback and self._speculation_cannot_win(padded)):
                 run_fallback = not self.in_fallback
                 self._since_probe = 0
@@ -717,30 +713,6 @@ class GoodputPolicy:
         config = self.config
         wanted = max(-(-config.probe_requests // max(1, batch_size)), config.probe_steps_min)
         return min(wanted, config.probe_steps_max)
-
-    def _probe_gap_cap(self, padded: int) -> int:
-        """The most steps between probes at ``padded``: ``probe_gap_max``, but in fallback
-        below ``composition_min_batch`` requests the steps after which a probe's extra time
-        (its steps' speculative cost over a plain step's, by the measured costs at this size)
-        is ``probe_share`` of theirs, at least ``probe_gap``.
-
-        There a rise of acceptance is read by the next probe alone, and the gap had grown to
-        1 024 steps, 6 s of plain steps at one request on an H100: 0 % acceptance, then 90 %
-        at one request, gave 0.737 of EAGLE-3 over the 90 % level's first 10 s, 0.957 over 30 s
-        (the simulator with an H100's costs, six seeds). At 1 % a probe of 8 steps at bs 1 (each
-        46 % dearer than a plain one) comes every 368 steps: 0.849 and 0.984, for 0.3-0.5 %
-        of the fallback levels below 8 requests. At larger loads such a rise came within about 2 %
-        of the better at the 1 024-step gap, so the cap stays there (each probe step there
-        costs up to 3x a plain one)."""
-        config = self.config
-        table = self.snapshot.table
-        spec_ms, plain_ms = table.step_ms(True, padded), table.step_ms(False, padded)
-        small = padded < config.composition_min_batch
-        if not (self.in_fallback and small and config.probe_share and spec_ms and plain_ms):
-            return config.probe_gap_max
-        extra = self._probe_steps(padded) * max(0.0, spec_ms / plain_ms - 1.0)
-        steps = math.ceil(extra / config.probe_share)
-        return max(config.probe_gap, min(config.probe_gap_max, steps))
 
     def _wins_needed(self, padded: int) -> int:
         """``confirm_steps``, times ``flap_factor ** flaps`` at the load of the last switch."""
