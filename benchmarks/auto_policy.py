@@ -67,6 +67,7 @@ H100_PREFILL_MS = (7.9, 0.55)  # an H100's prefill step (set as PREFILL_MS is, o
 DRAFT_PREFILL_SHARE = 0.1  # what an EAGLE-3 server's draft adds to a prefill step (a guess)
 REGIONS = {"accept0": 0.0, "accept50": 0.5, "accept90": 0.9}
 MIX = "mix"
+COMPARED = ("plain", "eagle", "auto")  # the simulations a sequence table compares
 NUM_STEPS = 3  # draft tokens per speculative step (steps 3, topk 1)
 NOISE = 0.03
 
@@ -310,7 +311,7 @@ def sequence_table(sims: dict[str, Simulation], levels: list[tuple[str, int, flo
     worst = 1.0
     for number, (region, conc, seconds) in enumerate(levels, 1):
         results = {kind: sims[kind].level(region, conc, seconds, args.olen, args.olen_spread)
-                   for kind in ("plain", "eagle", "auto")}
+                   for kind in COMPARED}
         auto = results["auto"]
         over_max = auto.tok_s / max(results["plain"].tok_s, results["eagle"].tok_s)
         worst = min(worst, over_max)
@@ -325,7 +326,7 @@ def main() -> None:
     use_costs(args.costs)
     console = Console()
     if args.sequence is not None:
-        sims = {kind: Simulation(kind, args.seed) for kind in ("plain", "eagle", "auto")}
+        sims = {kind: Simulation(kind, args.seed) for kind in COMPARED}
         table, worst = sequence_table(sims, args.sequence, args,
                                       f"sequence ({args.costs} costs): simulated output tok/s")
         console.print(table)
