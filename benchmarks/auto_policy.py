@@ -18,7 +18,7 @@ envelope (``benchmarks/gpu/kit``, ``env-*``) is the measurement.
     python benchmarks/auto_policy.py [--duration 10] [--levels 1,4,16,32,64,128]
         [--regions accept0,accept50,accept90,mix] [--thresholds 4,8,16,32,64] [--seed 1]
         [--olen 128] [--olen-spread 0.5] [--burst 1,64,1] [--costs h200|h100]
-        [--sequence REGION:C:SECONDS,...]
+        [--sequence REGION:C:SECONDS,...] [--round-trip-ms 0]
 
 ``--costs h100``: an H100's step costs (``h100_costs``) in place of the H200's.
 ``--sequence``: instead of the sweep and the burst, these levels in this order on every
@@ -28,6 +28,12 @@ one table with auto's ratio and switches per level.
 ``--olen-spread s``: each request's length uniform in OLEN * (1 +- s), as ``envelope.py
 --olen-spread`` (default 0.5, as the 2026-12-03 GPU envelope ran); 0 gives every request one
 length, so a level's requests start and finish together, which no real traffic does.
+
+``--round-trip-ms r``: a finished request's successor reaches the server r simulated ms after
+it finished (the client's answer and the scheduler's receive); until then the decode batch is
+one short. 0 (the default) lets it join before the next decode step. On an H100 at c = 4 about
+5 % of the decode batch lines read one request short (the seventeenth hold, RESULTS.md): about
+two 6.4-ms steps a finish.
 """
 
 from __future__ import annotations
@@ -183,9 +189,10 @@ class Simulation:
     """One server through the levels in order, as ``envelope.py`` runs them: its controller
     keeps what it learned from one level to the next."""
 
-    def __init__(self, kind: str, seed: int) -> None:
+    def __init__(self, kind: str, seed: int, round_trip_ms: float = 0.0) -> None:
         self.server, self.clock = make_server(kind)
         self.seed = seed
+        self.round_trip_ms = round_trip_ms  # a finish to its successor's arrival
         self.rng = random.Random(seed)  # step-time noise
         self.stale = True  # no draft state yet: the first speculative step drafts first
         self.rids = itertools.count()
@@ -208,9 +215,14 @@ class Simulation:
 
         waiting = [new_request(k) for k in range(conc)]
         running: list[Request] = []
+        arriving: list[tuple[float, Request]] = []  # (when it reaches the server, request)
         now_ms, tokens = 0.0, 0
         spent: collections.Counter[str] = collections.Counter()
-        while waiting or running:
+        while waiting or running or arriving:
+            if not (waiting or running):  # the server idles until the next one arrives
+                now_ms = max(now_ms, min(when for when, _ in arriving))
+            waiting += [request for when, request in arriving if when <= now_ms]
+            arriving = [(when, request) for when, request in arriving if when > now_ms]
             if waiting:  # SGLang runs the new requests' prefill before the next decode step
                 ms = PREFILL_MS[0] + PREFILL_MS[1] * len(waiting)
                 controller = server.controller
@@ -259,7 +271,7 @@ class Simulation:
             for request in finished:
                 running.remove(request)
                 if now_ms < duration * 1000.0:
-                    waiting.append(new_request(request.client))
+                    arriving.append((now_ms + self.round_trip_ms, new_request(request.client)))
         return LevelResult(1000.0 * tokens / now_ms, server.switches() - switches_before,
                            now_ms / 1000.0, dict(spent))
 
@@ -281,6 +293,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sequence", type=parse_sequence, default=None,
                     metavar="REGION:C:SECONDS,...",
                     help="these levels in this order instead of the sweep and the burst")
+    ap.add_argument("--round-trip-ms", type=float, default=0.0,
+                    help="a finished request's successor reaches the server this many "
+                         "simulated ms later (0: before the next decode step)")
     return ap.parse_args()
 
 
@@ -326,7 +341,7 @@ def main() -> None:
     use_costs(args.costs)
     console = Console()
     if args.sequence is not None:
-        sims = {kind: Simulation(kind, args.seed) for kind in COMPARED}
+        sims = {kind: Simulation(kind, args.seed, args.round_trip_ms) for kind in COMPARED}
         table, worst = sequence_table(sims, args.sequence, args,
                                       f"sequence ({args.costs} costs): simulated output tok/s")
         console.print(table)
@@ -337,7 +352,7 @@ def main() -> None:
     worst_max, worst_fixed = 1.0, 1.0
     regions = args.regions.split(",")
     kinds = ("plain", "eagle", *fixed, "auto")
-    sims = {kind: Simulation(kind, args.seed) for kind in kinds}
+    sims = {kind: Simulation(kind, args.seed, args.round_trip_ms) for kind in kinds}
     for region in regions:
         table = Table(title=f"{region}: simulated output tok/s ({args.duration:g} s levels)")
         for column in ("c", "plain", "EAGLE-3", "best fixed T", "auto", "auto ÷ max",
