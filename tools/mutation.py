@@ -123,6 +123,28 @@ TARGETS: dict[str, Target] = {
             "speculative or the fallback (the fallback steps themselves, _v1_step/_v2_step, "
             "~400 mutants at ~10 s each here, and the adapters are left out; the slow tier runs "
             "them on real SGLang)"),
+    "auto_readings": Target(
+        RUNTIME, ("tests/runtime",),
+        functions=(
+            # what auto reads before it decides: acceptance by request, the window, probes,
+            # prefill costs and the admission rate, and the rules that use them
+            "x_auto_config_overrides", "x_fit_prefill_cost",
+            *_methods("PrefillCost", "per_step_ms"),
+            *_methods("Snapshot", "prefill_ms_per_step"),
+            *_methods("Estimates", "spec_tok_s", "plain_tok_s"),
+            *_methods("GoodputPolicy", "_with_prefills", "defer_speculation", "_probe_steps",
+                      "_recent_switch", "_acceptance_is_of", "_acceptance_is_enough",
+                      "_speculation_cannot_win", "_prefills_read"),
+            "x_speculating_tokens_per_step", "x_speculating_tokens", "x__readings_by_request",
+            "x__plain_mean", "x__steps_per_token",
+            *_methods("Measurements", "add_prefill", "_add_admissions", "admitted_per_token",
+                      "_confidence", "_reads_by_request", "_window_reading", "_trim_window",
+                      "_set_window", "_probe_window", "_end_stretch", "_newest_is_a_batch",
+                      "_publish"),
+            *_methods("AutoController", "finish_prefill"),
+        ),
+        why="auto's readings (added after the dynspec_fallback target's functions were "
+            "listed): the same module and tests, other functions"),
     "draft_kv_write": Target(
         RUNTIME,
         ("tests/runtime/test_draft_kv_write.py", "tests/runtime/test_no_host_sync.py",
@@ -421,7 +443,10 @@ def run_mutmut(where: Path, target: Target, max_children: int) -> int:
     # tests/conftest.py stops any session that does not run the installed wheel, except the
     # stage's own copy, which tests the mutants on purpose
     env = {**os.environ, "PYTHONPATH": f"{where / 'mutants'}{os.pathsep}{HITS}",
-           "DYNSPEC_OFFLINE": "1", "DYNSPEC_MUTATION_STAGE": str((where / "mutants").resolve())}
+           "DYNSPEC_OFFLINE": "1", "DYNSPEC_MUTATION_STAGE": str((where / "mutants").resolve()),
+           # mutmut forks each mutant from a parent that ran torch: an OpenMP pool made before
+           # the fork hangs the child's first parallel op (a stand-in's softmax, on futex)
+           "OMP_NUM_THREADS": "1"}
     command = ["nice", "-n", "10", sys.executable, "-m", "mutmut", "run",
                "--max-children", str(max_children), *target.patterns()]
     if target.heavy:
