@@ -143,6 +143,13 @@ TARGETS: dict[str, Target] = {
                       "_publish"),
             *_methods("AutoController", "finish_prefill"),
         ),
+        equivalent=(
+            *(("x_fit_prefill_cost", piece, "the deviations from a mean sum to 0: adding the "
+               "other mean to one factor adds mean * 0 to the sum")
+              for piece in ("(n + mean_n) * (ms - mean_ms)", "(n - mean_n) * (ms + mean_ms)")),
+            ("x_speculating_tokens_per_step", "speculating_tokens(steps, 1.0)",
+             "z moves only the bound; this reads the estimate"),
+        ),
         why="auto's readings (added after the dynspec_fallback target's functions were "
             "listed): the same module and tests, other functions"),
     "draft_kv_write": Target(
