@@ -149,6 +149,18 @@ TARGETS: dict[str, Target] = {
               for piece in ("(n + mean_n) * (ms - mean_ms)", "(n - mean_n) * (ms + mean_ms)")),
             ("x_speculating_tokens_per_step", "speculating_tokens(steps, 1.0)",
              "z moves only the bound; this reads the estimate"),
+            ("xǁGoodputPolicyǁ_speculation_cannot_win", "table.step_ms(None, padded)",
+             "step_ms reads None as not speculative, as False"),
+            *(("xǁGoodputPolicyǁ_speculation_cannot_win", piece, "an estimate's batch_size "
+               "and padded are labels: its tok/s come from costs_of")
+              for piece in ("_with_prefills(None, padded, most",
+                            "_with_prefills(padded, None, most")),
+            ("xǁGoodputPolicyǁ_speculation_cannot_win",
+             "deciding is not None and deciding <= padded",
+             "deciding_size never returns the size asked about: one with both costs is decided "
+             "above, by its own"),
+            ("xǁGoodputPolicyǁ_with_prefills", "prefill_ms_per_step(None, admitted)",
+             "prefill_ms_per_step reads None as not speculative, as False"),
         ),
         why="auto's readings (added after the dynspec_fallback target's functions were "
             "listed): the same module and tests, other functions"),

@@ -6,7 +6,10 @@ import pytest
 from dynspec_patch.transforms.runtime.dynspec_fallback import (
     AUTO_CONFIG_ENV,
     AutoConfig,
+    CostTable,
     GoodputPolicy,
+    PrefillCost,
+    Snapshot,
     _steps_per_token,
     _Verified,
     auto_config_overrides,
@@ -95,3 +98,32 @@ def test_a_switch_is_recent_for_flap_window_steps_after_it():
     for steps, recent in ((500, True), (599, True), (600, False)):
         policy.steps = steps
         assert policy._recent_switch() is recent, steps
+
+
+def test_each_mode_pays_its_own_prefills_at_its_own_admissions():
+    policy = GoodputPolicy(AutoConfig(), [1, 2, 4, 8, 16])
+    spec_cost, plain_cost = PrefillCost(10.0, 1.0), PrefillCost(2.0, 0.5)
+    policy.snapshot = Snapshot(admitted_per_token=0.01, prefill_spec=spec_cost,
+                               prefill_plain=plain_cost)
+    est = policy._with_prefills(16, 16, 2.0, 8.0, 6.0, 16)
+    # a speculative step decodes 2 tokens a request, so it admits twice the requests
+    assert est.spec_prefill_ms == pytest.approx(spec_cost.per_step_ms(16 * 0.01 * 2.0))
+    assert est.plain_prefill_ms == pytest.approx(plain_cost.per_step_ms(16 * 0.01))
+    assert est.spec_prefill_ms != pytest.approx(plain_cost.per_step_ms(16 * 0.01 * 2.0))
+
+
+def _bounded_policy(entries):
+    policy = GoodputPolicy(AutoConfig(max_tokens_per_step=2.0), [1, 2, 4, 8, 16, 32])
+    policy.snapshot = Snapshot(table=CostTable(entries))
+    return policy
+
+
+def test_speculation_that_can_at_best_tie_with_plain_steps_is_not_ruled_out():
+    # every draft accepted: 2 tokens a 12-ms step against 1 token a 6-ms step
+    assert _bounded_policy({16: (12.0, 6.0)})._speculation_cannot_win(16) is False
+    assert _bounded_policy({16: (12.5, 6.0)})._speculation_cannot_win(16) is True
+
+
+def test_one_mode_timed_alone_at_a_size_rules_nothing_out_there():
+    assert _bounded_policy({16: (30.0, None)})._speculation_cannot_win(16) is False
+    assert _bounded_policy({16: (None, 6.0)})._speculation_cannot_win(16) is False
