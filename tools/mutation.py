@@ -161,6 +161,11 @@ TARGETS: dict[str, Target] = {
              "above, by its own"),
             ("xǁGoodputPolicyǁ_with_prefills", "prefill_ms_per_step(None, admitted)",
              "prefill_ms_per_step reads None as not speculative, as False"),
+            ("xǁMeasurementsǁ_add_admissions", "while len(window) >= 1 and",
+             "with one step left, the tokens less its own are 0, below any admission_tokens "
+             "(a positive int)"),
+            ("xǁMeasurementsǁ_end_stretch", "self._in_stretch = None",
+             "_in_stretch is only read for its truth"),
         ),
         why="auto's readings (added after the dynspec_fallback target's functions were "
             "listed): the same module and tests, other functions"),

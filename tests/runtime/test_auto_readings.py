@@ -8,6 +8,8 @@ from dynspec_patch.transforms.runtime.dynspec_fallback import (
     AutoConfig,
     CostTable,
     GoodputPolicy,
+    HostClock,
+    Measurements,
     PrefillCost,
     Snapshot,
     _steps_per_token,
@@ -127,3 +129,63 @@ def test_speculation_that_can_at_best_tie_with_plain_steps_is_not_ruled_out():
 def test_one_mode_timed_alone_at_a_size_rules_nothing_out_there():
     assert _bounded_policy({16: (30.0, None)})._speculation_cannot_win(16) is False
     assert _bounded_policy({16: (None, 6.0)})._speculation_cannot_win(16) is False
+
+
+def _admissions(steps, admission_tokens=100):
+    """The admission rate after these (requests started so far, tokens decoded) steps."""
+    measurements = Measurements(AutoConfig(admission_tokens=admission_tokens), HostClock())
+    for started, decoded in steps:
+        measurements._add_admissions(started, decoded)
+    return measurements.admitted_per_token
+
+
+def test_the_admission_rate_is_read_over_the_newest_admission_tokens():
+    # the first step's admissions are not known (no step before it); a step of no tokens
+    # passes its admissions on; at exactly 100 tokens without the oldest step, it goes
+    assert _admissions([(10, 50), (11, 0), (13, 50), (16, 50)]) == pytest.approx(6 / 100)
+    # a long step leaves only itself once the others fall out
+    assert _admissions([(10, 50), (13, 50), (16, 300)]) == pytest.approx(3 / 300)
+    # 60 tokens without the oldest step: it stays
+    assert _admissions([(10, 60), (13, 60)]) == pytest.approx(3 / 120)
+
+
+def test_a_plain_step_at_one_request_decodes_one_token_and_counts():
+    assert _admissions([(1, 1.0), (2, 1.0)]) == pytest.approx(1 / 2)
+
+
+def test_an_empty_acceptance_window_holds_no_batch():
+    assert Measurements(AutoConfig(), HostClock())._newest_is_a_batch() is False
+
+
+def _probe_after(before_tokens: float, probe_tokens: float, probe_requests: int):
+    """A probe of ``probe_requests`` requests reading ``probe_tokens`` a request after probes
+    that read ``before_tokens`` (plain means: the steps say no request's own tokens), with a
+    ``probe_change`` of 0.25 (exact in binary)."""
+    measurements = Measurements(AutoConfig(probe_change=0.25), HostClock())
+    measurements._before_probe = [_Verified(before_tokens * 8, 8, 0)]
+    measurements._published_before_probe = before_tokens
+    measurements._probe_steps = [_Verified(probe_tokens * probe_requests, probe_requests, 0)]
+    window = measurements._probe_window()
+    return len(window), measurements._change_cap
+
+
+def test_a_probe_that_reads_exactly_probe_change_off_still_pools():
+    assert _probe_after(2.0, 2.5, 16) == (2, None)  # 2.5 / 2.0 - 1 = 0.25
+    assert _probe_after(2.0, 1.5, 16) == (2, None)  # a fall of 0.25
+    assert _probe_after(2.0, 2.75, 16) == (1, 2.0)  # beyond: it replaces them, capped
+
+
+def test_a_rise_on_exactly_composition_min_batch_requests_is_capped():
+    assert _probe_after(2.0, 3.0, 8) == (1, 2.0)
+    assert _probe_after(2.0, 3.0, 7) == (1, None)  # a few requests' own acceptance
+    assert _probe_after(2.0, 3.0, 64) == (1, None)  # probe_requests: the traffic's
+
+
+def test_one_flap_not_yet_forgiven_still_wants_several_probes_of_acceptance():
+    policy = GoodputPolicy(AutoConfig(flap_window=100), [1, 2, 4, 8, 16, 32])
+    policy._last_switch, policy._flaps, policy.steps = (0, 16), 2, 150  # one of two forgiven
+    assert not policy._recent_switch() and policy._recent_flaps() == 1
+    policy.snapshot = Snapshot(tokens_requests=64)  # one probe of 16 requests over 4 steps
+    assert policy._acceptance_is_enough(16) is False
+    policy.snapshot = Snapshot(tokens_requests=256)  # flap_factor (4) such probes
+    assert policy._acceptance_is_enough(16) is True
