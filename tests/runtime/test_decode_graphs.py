@@ -257,6 +257,45 @@ def test_failed_capture_falls_back_to_eager_and_warns(variant, caplog):
     )
 
 
+# -- TP ranks: every rank replays the graphs, or none ---------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_a_rank_whose_peer_has_no_graphs_runs_eagerly_too(variant, monkeypatch, caplog):
+    asked: list[bool] = []
+    monkeypatch.setattr(dyn, "_all_ranks_agree", lambda group, ok: asked.append(ok) or False)
+    world = graph_world("0.5.12.post1", variant, batch_size=4)
+    runner = world.worker.target_worker.model_runner
+    with caplog.at_level(logging.WARNING, logger=dyn.__name__):
+        assert step(world, variant) is not None
+    assert len(runner.captures) == 1 and asked[0] is True  # this rank captured them
+    assert world.recorder.get("target_forward")["graph"] is None
+    assert any(
+        "DECODE graphs not used: another TP rank could not capture them" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tp_rank", "replays"),
+    [("1", 1, False), ("0,1", 1, False), (" 2, x,1", 1, False), ("1", 0, True), ("", 1, True)],
+)
+def test_fail_on_ranks_discards_the_graphs_on_the_ranks_it_names(
+    ranks, tp_rank, replays, monkeypatch
+):
+    monkeypatch.setenv(dyn.DECODE_GRAPHS_FAIL_RANKS_ENV, ranks)
+    world = graph_world("0.5.12.post1", "v2", batch_size=4)
+    world.worker.tp_rank = tp_rank
+    runner = world.worker.target_worker.model_runner
+    assert step(world, "v2") is not None
+    assert len(runner.captures) == 1  # captured either way: the capture's collectives run
+    graph = world.recorder.get("target_forward")["graph"]
+    assert (graph is runner.captures[0]) if replays else (graph is None)
+    note = dyn._adapters[type(world.worker)].decode_graphs_note
+    forced = f"{dyn.DECODE_GRAPHS_FAIL_RANKS_ENV} names TP rank {tp_rank}"
+    assert (forced in note) is not replays, note
+
+
 # -- StepProfiler -----------------------------------------------------------------------------
 
 

@@ -2447,6 +2447,11 @@ def reset_for_tests() -> None:
 
 # "0" turns the DECODE graphs off: fallback target forwards then run eagerly (diagnostics).
 DECODE_GRAPHS_ENV = "DYNSPEC_DECODE_GRAPHS"
+# Tests only: TP ranks (e.g. "1" or "0,2") whose DECODE graphs, once captured, are discarded
+# as a failed capture, so a multi-GPU test can check that every rank then runs eagerly. The
+# capture itself still runs on every rank: SGLang's graph capture runs collectives (custom
+# all-reduce registers its buffers at the end), and a rank skipping it would hang the others.
+DECODE_GRAPHS_FAIL_RANKS_ENV = "DYNSPEC_DECODE_GRAPHS_FAIL_ON_RANKS"
 
 
 @dataclass
@@ -2629,6 +2634,13 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
         )
     except Exception as exc:  # capture failed: stay correct, run the target eagerly
         graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
+    rank = int(getattr(worker, "tp_rank", 0) or 0)
+    if graphs is not None and rank in _ranks_in(os.environ.get(DECODE_GRAPHS_FAIL_RANKS_ENV)):
+        graphs, why = None, f"capture failed: {DECODE_GRAPHS_FAIL_RANKS_ENV} names TP rank {rank}"
+    # Every rank replays, or none: the ranks' all-reduces must run the same way at every step
+    # (a graph's custom all-reduce reads the buffers every rank registered at its capture).
+    if not _all_ranks_agree(adapter.tp_group(worker), graphs is not None) and graphs:
+        graphs, why = None, "another TP rank could not capture them"
     if graphs is None:
         adapter.decode_graphs_note = f"eager target forwards ({why})"
         _rank0_logger(worker, logging.WARNING)(
@@ -2641,6 +2653,11 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
         f"[dynspec] captured target DECODE graphs for bs {graphs.batch_sizes} in "
         f"{time.perf_counter() - started:.1f}s"
     )
+
+
+def _ranks_in(text: str | None) -> set[int]:
+    """The TP ranks a comma-separated list names; anything that is not a rank is ignored."""
+    return {int(part) for part in (text or "").split(",") if part.strip().isdigit()}
 
 
 @contextlib.contextmanager
