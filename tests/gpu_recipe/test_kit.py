@@ -214,6 +214,41 @@ def test_lever_variants_run_the_patched_server_with_their_settings(tmp_path):
     assert v1.endswith("env: DYNSPEC_DRAFT_PREFILL_WRITE=1")
 
 
+def test_tp_runs_every_server_on_that_many_gpus_under_a_kind_of_its_own(tmp_path):
+    """``TP=2``: ``--tp-size 2`` on each server (here one that exits at once: no GPU), its log
+    and result named KIND-tp2[@N], so a report pools it apart from one-GPU servers; the
+    variant's own settings stay. Without TP no server gets ``--tp-size``."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
+        'if [ "$1" = "-c" ]; then exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+    home = tmp_path / "kit"
+    env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
+           "HEALTH_TIMEOUT": "5", "DEADLINE": "600", "TP": "2",
+           "VARIANT_ENV": "DYNSPEC_DECODE_GRAPHS_FAIL_ON_RANKS=1"}
+    run_sh = ["bash", str(KIT / "scripts" / "run.sh"), "session"]
+    done = subprocess.run([*run_sh, "dyn-v2@2", "base"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    logs, results = home / "work" / "logs", home / "work" / "results"
+    assert sorted(p.name for p in results.glob("*.json")) == ["base-tp2.json",
+                                                               "dyn-v2-tp2@2.json"]
+    patched = (logs / "dyn-v2-tp2@2.server.log").read_text()
+    assert re.search(r"stub server: .* --tp-size 2 .*--speculative-disable-batch-threshold 16",
+                     patched)
+    assert patched.splitlines()[0].endswith("env: DYNSPEC_DECODE_GRAPHS_FAIL_ON_RANKS=1")
+    assert "--tp-size 2" in (logs / "base-tp2.server.log").read_text()
+    one_gpu = subprocess.run([*run_sh, "dyn-v2@2"], env={**env, "TP": "1"},
+                             capture_output=True, text=True, timeout=120)
+    assert one_gpu.returncode == 0, one_gpu.stderr
+    assert "--tp-size" not in (logs / "dyn-v2@2.server.log").read_text()
+
+
 DEFAULT_KERNELS = (("gemm", 0.0, 10.0), ("gemm", 5.0, 15.0), ("attn", 20.0, 30.0))
 
 

@@ -58,7 +58,11 @@
 #   intervals that hold one add beyond a decode step, in wall, GPU busy and idle time),
 #   JITWARM_SKIP (setup: kernels jitwarm.py leaves to the server, e.g. clamp_position),
 #   DRAFT_VOCAB (unset: the 8b draft shares the target's 128256-token head; 32000: a 32000-token
-#   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000).
+#   head as real EAGLE-3 drafts for Llama 3.1 have; results are then named VARIANT-dv32000),
+#   TP (1; 2: every server runs --tp-size 2 on the machine's first two GPUs, and its results and
+#   log are named KIND-tp2[@N], a kind of its own; with VARIANT_ENV=
+#   DYNSPEC_DECODE_GRAPHS_FAIL_ON_RANKS=1, rank 1 loses the fallback's DECODE graphs after their
+#   capture, and both ranks must then run the target eagerly: issue 17).
 set -u
 CALL_START=$(date +%s)
 KIT_HOME=${KIT_HOME:-/root/dynspec-gpu-kit}
@@ -138,8 +142,9 @@ setup-env)   # the crafted ENV_SIZE (8b: ~16 GB) successor target + EAGLE-3 draf
 session)
   hook=""; [ -f "$WORK/act_fallback" ] && { hook="$HERE/hook:"; export KIT_ACT_FALLBACK=1; }
   for VARIANT in "$@"; do
-    V=$VARIANT${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     KIND=${VARIANT%@*}   # env-auto@2: a second server of env-auto, its results named env-auto@2
+    tp=${TP:-1}; [ "$tp" = 1 ] && tp=""
+    V=$KIND${tp:+-tp$tp}${VARIANT#"$KIND"}${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     [ -f "$RES/$V.json" ] && { echo "[$V] already done"; continue; }
     left=$(( ${DEADLINE:-540} - ($(date +%s) - CALL_START) ))
     # a check server took 84-108 s to be ready and its check 100 s on an H100 (2026-12-05)
@@ -150,7 +155,7 @@ session)
     path="$hook$SITE"; envs=(); size=8b
     flags=(--load-format dummy --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch
            --grammar-backend none --mem-fraction-static 0.8 --max-running-requests 128 --cuda-graph-max-bs 128
-           --host 127.0.0.1 --port "$PORT")
+           --host 127.0.0.1 --port "$PORT" ${tp:+--tp-size "$tp"})
     model=$M/llama-8b; draft=$M/eagle3-8b${DRAFT_VOCAB:+-dv$DRAFT_VOCAB}
     case "$V" in check-*) model=$M/succ-1b; draft=$M/succ-eagle3-1b; flags=("${flags[@]:2}")
                           envs+=(SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1);;
@@ -235,7 +240,7 @@ session)
     for _ in $(seq 1 20); do kill -0 "$SRV" 2>/dev/null || break; sleep 1; done
     kill -KILL -- -"$SRV" 2>/dev/null; sleep 1
     for _ in $(seq 1 20); do
-      u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
+      u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1)
       { [ -z "$u" ] || [ "$u" -lt 2000 ]; } && break; sleep 1
     done
     echo "[$V] done in $(( $(date +%s)-t0 ))s; dynspec lines:"
