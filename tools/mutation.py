@@ -255,6 +255,26 @@ TARGETS: dict[str, Target] = {
         ),
         why="the draft KV write's CUDA graphs (which size replays, what the padding rows "
             "store, when it stays eager) and the v2 step's early verify_done"),
+    "tp_agreement": Target(
+        RUNTIME,
+        ("tests/runtime/test_decode_graphs.py", "tests/runtime/test_tp_ranks_capture.py",
+         "tests/runtime/test_draft_extend_width1.py"),
+        functions=("x__prepare_decode_graphs", "x__ranks_in", "x__all_ranks_agree"),
+        equivalent=(
+            *(("x__all_ranks_agree", piece, "a TP group's world_size is never 0: None or 1 "
+               "and 1 or 2 are 1") for piece in ('"world_size", None)', "1) or 2) <= 1")),
+            *(("x__all_ranks_agree", piece, "the flag is 0 or 1 (or 2): int64 reduces by MIN "
+               "as int32 does, and only its truth is read")
+              for piece in ("dtype=None)", "else 0], )", "[2 if ok else 0]")),
+            ("x__prepare_decode_graphs", '"XX1XX").strip() == "0"', "unset and any text but "
+             "0 are both not 0"),
+            ("x__prepare_decode_graphs", '"tp_rank", None) or 0)', "None or 0 is 0, the "
+             "default's value"),
+            ("x__ranks_in", '(text or "XXXX")', "neither names a rank: both give no ranks"),
+        ),
+        why="the TP ranks' agreement on what their start-up captures give: the fallback's "
+            "DECODE graphs on every rank or none, the per-rank failure that tests it, the CPU "
+            "all-reduce every lever's agreement runs (two real gloo processes)"),
     "one_token_verify": Target(
         RUNTIME,
         ("tests/runtime/test_one_token_verify.py", "tests/runtime/test_warmup.py",

@@ -217,7 +217,8 @@ def test_fallback_target_forward_replays_the_decode_graphs(variant, version, cap
     assert call["attn_backend"] is decode_graphs.seen["attn_backend"]
     assert getattr(runner, world.shape.graph_attr) is verify_graphs
     assert runner.attn_backend is verify_backend
-    assert any("captured target DECODE graphs" in r.getMessage() for r in caplog.records)
+    (line,) = [r.getMessage() for r in caplog.records if "captured target DECODE" in r.getMessage()]
+    assert 0.0 <= float(line.rsplit(" in ", 1)[1].removesuffix("s")) < 60  # its own seconds
 
 
 def test_decode_graphs_are_captured_once_per_process():
@@ -238,6 +239,8 @@ def test_env_switch_keeps_eager_forwards(monkeypatch):
     assert step(world, "v2") is not None
     assert runner.captures == []
     assert world.recorder.get("target_forward")["graph"] is None
+    note = dyn._adapters[type(world.worker)].decode_graphs_note
+    assert note == f"off ({dyn.DECODE_GRAPHS_ENV}=0): eager target forwards"
 
 
 @pytest.mark.parametrize("variant", ["v1", "v2"])
@@ -252,7 +255,8 @@ def test_failed_capture_falls_back_to_eager_and_warns(variant, caplog):
     assert world.recorder.get("target_forward")["graph"] is None
     assert runner.graph_runner is verify_graphs
     assert any(
-        "DECODE graphs not used" in r.getMessage() and "out of memory" in r.getMessage()
+        "DECODE graphs not used: capture failed: RuntimeError: CUDA out of memory"
+        in r.getMessage()
         for r in caplog.records
     )
 
@@ -278,16 +282,24 @@ def test_a_rank_whose_peer_has_no_graphs_runs_eagerly_too(variant, monkeypatch, 
 
 @pytest.mark.parametrize(
     ("ranks", "tp_rank", "replays"),
-    [("1", 1, False), ("0,1", 1, False), (" 2, x,1", 1, False), ("1", 0, True), ("", 1, True)],
+    [("1", 1, False), ("0,1", 1, False), (" 2, x,1", 1, False), ("1", 0, True), ("", 1, True),
+     ("1", None, True), ("0", None, False)],  # None: a worker without tp_rank is rank 0
 )
 def test_fail_on_ranks_discards_the_graphs_on_the_ranks_it_names(
-    ranks, tp_rank, replays, monkeypatch
+    ranks, tp_rank, replays, monkeypatch, caplog
 ):
     monkeypatch.setenv(dyn.DECODE_GRAPHS_FAIL_RANKS_ENV, ranks)
     world = graph_world("0.5.12.post1", "v2", batch_size=4)
-    world.worker.tp_rank = tp_rank
+    if tp_rank is None:
+        del world.worker.tp_rank
+    else:
+        world.worker.tp_rank = tp_rank
     runner = world.worker.target_worker.model_runner
-    assert step(world, "v2") is not None
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        assert step(world, "v2") is not None
+    if tp_rank:  # only rank 0 logs, what it captured as what it could not
+        assert [r.getMessage() for r in caplog.records if "DECODE" in r.getMessage()] == []
+    tp_rank = tp_rank or 0
     assert len(runner.captures) == 1  # captured either way: the capture's collectives run
     graph = world.recorder.get("target_forward")["graph"]
     assert (graph is runner.captures[0]) if replays else (graph is None)

@@ -375,22 +375,32 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize(("oks", "expected"), [([True, True], "True"), ([True, False], "False")])
-def test_all_ranks_agree_over_a_real_gloo_group(oks, expected):
+AGREE_IN_TWO_TP_GROUPS = """
+import os, sys, types
+import torch.distributed as dist
+from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+
+rank, world, port, ok = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world)
+# two servers' TP groups in one world (as data parallelism lays them out): ranks 0-1 and 2-3
+groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+group = types.SimpleNamespace(world_size=2, cpu_group=groups[rank // 2])
+print(dyn._all_ranks_agree(group, ok), flush=True)
+dist.barrier()
+os._exit(0)  # as AGREE_ON_RANK: no gloo teardown
+"""
+
+
+def answers_of_ranks(script: str, oks: list[bool]) -> list[str]:
+    """Each rank's printed answer: one process per rank over a real gloo group."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                AGREE_ON_RANK,
-                str(rank),
-                str(len(oks)),
-                str(port),
-                "1" if ok else "0",
-            ],
+            [sys.executable, "-c", script, str(rank), str(len(oks)), str(port),
+             "1" if ok else "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -402,4 +412,15 @@ def test_all_ranks_agree_over_a_real_gloo_group(oks, expected):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         answers.append(out.strip().splitlines()[-1])
-    assert answers == [expected, expected]
+    return answers
+
+
+@pytest.mark.parametrize(("oks", "expected"), [([True, True], "True"), ([True, False], "False")])
+def test_all_ranks_agree_over_a_real_gloo_group(oks, expected):
+    assert answers_of_ranks(AGREE_ON_RANK, oks) == [expected, expected]
+
+
+def test_ranks_agree_within_their_own_tp_group_only():
+    """Rank 3 cannot: its TP group (2, 3) goes without, the other server's (0, 1) keeps it."""
+    answers = answers_of_ranks(AGREE_IN_TWO_TP_GROUPS, [True, True, True, False])
+    assert answers == ["True", "True", "False", "False"]
