@@ -141,18 +141,25 @@ def test_run_sh_parses():
     subprocess.run(["bash", "-n", str(KIT / "scripts" / "run.sh")], check=True)
 
 
-def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_path):
-    """``VARIANT@N`` launches VARIANT's server (here one that exits at once: no GPU) and
-    names its log and result VARIANT@N; a name already done is skipped."""
+def server_that_exits(tmp_path: Path) -> Path:
+    """A ``python`` for run.sh whose server prints its arguments and exits at once (no GPU);
+    the health check finds nothing listening; everything else is this Python."""
     stub = tmp_path / "bin" / "python"
     stub.parent.mkdir()
     stub.write_text(
         "#!/bin/bash\n"
         'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
-        'if [ "$1" = "-c" ]; then exit 1; fi\n'  # the health check: nothing listens
+        'if [ "$1" = "-c" ]; then exit 1; fi\n'
         f'exec {sys.executable} "$@"\n'
     )
     stub.chmod(0o755)
+    return stub
+
+
+def test_a_further_server_of_a_variant_runs_that_variant_under_its_own_name(tmp_path):
+    """``VARIANT@N`` launches VARIANT's server (here one that exits at once: no GPU) and
+    names its log and result VARIANT@N; a name already done is skipped."""
+    stub = server_that_exits(tmp_path)
     home, out = tmp_path / "kit", tmp_path / "out"
     env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(out),
            "HEALTH_TIMEOUT": "5", "DEADLINE": "600", "ENV_LEVELS": "64", "REGIONS": "accept50"}
@@ -180,15 +187,7 @@ def test_lever_variants_run_the_patched_server_with_their_settings(tmp_path):
     """``dyn-v2-write8``: the patched server with DYNSPEC_DRAFT_KV_WRITE_STEPS=8 (here one
     that exits at once: no GPU), a kind of its own beside ``dyn-v2``; ``-kvprefill`` adds
     DYNSPEC_DRAFT_PREFILL_WRITE=1, alone or after ``-writeN``."""
-    stub = tmp_path / "bin" / "python"
-    stub.parent.mkdir()
-    stub.write_text(
-        "#!/bin/bash\n"
-        'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
-        'if [ "$1" = "-c" ]; then exit 1; fi\n'
-        f'exec {sys.executable} "$@"\n'
-    )
-    stub.chmod(0o755)
+    stub = server_that_exits(tmp_path)
     home = tmp_path / "kit"
     env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
            "HEALTH_TIMEOUT": "5", "DEADLINE": "600"}
@@ -218,15 +217,7 @@ def test_tp_runs_every_server_on_that_many_gpus_under_a_kind_of_its_own(tmp_path
     """``TP=2``: ``--tp-size 2`` on each server (here one that exits at once: no GPU), its log
     and result named KIND-tp2[@N], so a report pools it apart from one-GPU servers; the
     variant's own settings stay. Without TP no server gets ``--tp-size``."""
-    stub = tmp_path / "bin" / "python"
-    stub.parent.mkdir()
-    stub.write_text(
-        "#!/bin/bash\n"
-        'if [ "$1 $2" = "-m sglang.launch_server" ]; then echo "stub server: $*"; exit 1; fi\n'
-        'if [ "$1" = "-c" ]; then exit 1; fi\n'
-        f'exec {sys.executable} "$@"\n'
-    )
-    stub.chmod(0o755)
+    stub = server_that_exits(tmp_path)
     home = tmp_path / "kit"
     env = {**os.environ, "PY": str(stub), "KIT_HOME": str(home), "OUT": str(tmp_path / "out"),
            "HEALTH_TIMEOUT": "5", "DEADLINE": "600", "TP": "2",

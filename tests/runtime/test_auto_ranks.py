@@ -2,12 +2,11 @@
 different acceptance decide identically: every rank adopts rank 0's measurements."""
 
 import json
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.runtime.gloo_ranks import last_lines_of_ranks
 
 pytestmark = pytest.mark.torch
 
@@ -73,35 +72,13 @@ RANK = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_two_ranks(mode: str) -> list[dict]:
+    lines = last_lines_of_ranks(RANK, 2, lambda rank, port: [str(rank), port, mode])
+    return [json.loads(line) for line in lines]
 
 
-def run_two_ranks(tmp_path, mode: str) -> list[dict]:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
-def test_ranks_fed_different_timings_decide_identically_step_by_step(tmp_path):
-    rank0, rank1 = run_two_ranks(tmp_path, "shared")
+def test_ranks_fed_different_timings_decide_identically_step_by_step():
+    rank0, rank1 = run_two_ranks("shared")
     assert rank0["decisions"] == rank1["decisions"]
     assert rank0["syncs"] == rank1["syncs"] == len(range(16, 1000, 16))
     # The load moved the decision both ways (the test would pass vacuously otherwise).
@@ -109,7 +86,7 @@ def test_ranks_fed_different_timings_decide_identically_step_by_step(tmp_path):
     assert any(rank0["decisions"]) and not all(rank0["decisions"])
 
 
-def test_without_the_broadcast_the_same_ranks_would_diverge(tmp_path):
+def test_without_the_broadcast_the_same_ranks_would_diverge():
     """The control: each rank on its own measurements decides differently."""
-    rank0, rank1 = run_two_ranks(tmp_path, "local")
+    rank0, rank1 = run_two_ranks("local")
     assert rank0["decisions"] != rank1["decisions"]

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import socket
-import subprocess
-import sys
 import types
 from typing import Any
 
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.gloo_ranks import last_lines_of_ranks
 
 pytestmark = pytest.mark.torch
 
@@ -393,26 +391,11 @@ os._exit(0)  # as AGREE_ON_RANK: no gloo teardown
 
 
 def answers_of_ranks(script: str, oks: list[bool]) -> list[str]:
-    """Each rank's printed answer: one process per rank over a real gloo group."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(rank), str(len(oks)), str(port),
-             "1" if ok else "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank, ok in enumerate(oks)
-    ]
-    answers = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        answers.append(out.strip().splitlines()[-1])
-    return answers
+    """Each rank's printed answer, rank r holding ``oks[r]``."""
+    return last_lines_of_ranks(
+        script, len(oks), lambda rank, port: [str(rank), str(len(oks)), port,
+                                              "1" if oks[rank] else "0"]
+    )
 
 
 @pytest.mark.parametrize(("oks", "expected"), [([True, True], "True"), ([True, False], "False")])

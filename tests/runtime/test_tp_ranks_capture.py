@@ -4,15 +4,13 @@ DECODE graphs (``DYNSPEC_DECODE_GRAPHS_FAIL_ON_RANKS``) both run the target eage
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from dynspec_patch.transforms.runtime import dynspec_fallback as dyn
+from tests.runtime.gloo_ranks import last_lines_of_ranks
 
 pytestmark = pytest.mark.torch
 
@@ -54,38 +52,14 @@ RANK = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(fail_on: str | None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != dyn.DECODE_GRAPHS_FAIL_RANKS_ENV}
     if fail_on is not None:  # every rank's environment, as a launcher gives it
         env[dyn.DECODE_GRAPHS_FAIL_RANKS_ENV] = fail_on
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(TESTS_DIR), str(rank), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    answers = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=180)
-        finally:
-            for other in procs:  # one rank failing must not leave the other waiting
-                if other.poll() is None and proc.returncode not in (None, 0):
-                    other.kill()
-        assert proc.returncode == 0, err
-        answers.append(json.loads(out.strip().splitlines()[-1]))
-    return answers
+    lines = last_lines_of_ranks(
+        RANK, 2, lambda rank, port: [str(TESTS_DIR), str(rank), port], env=env
+    )
+    return [json.loads(line) for line in lines]
 
 
 def test_both_ranks_replay_the_graphs_they_both_captured():
