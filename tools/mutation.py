@@ -259,7 +259,8 @@ TARGETS: dict[str, Target] = {
         RUNTIME,
         ("tests/runtime/test_decode_graphs.py", "tests/runtime/test_tp_ranks_capture.py",
          "tests/runtime/test_draft_extend_width1.py"),
-        functions=("x__prepare_decode_graphs", "x__ranks_in", "x__all_ranks_agree"),
+        functions=("x__prepare_decode_graphs", "x__tp_rank", "x__ranks_in",
+                   "x__all_ranks_agree"),
         equivalent=(
             *(("x__all_ranks_agree", piece, "a TP group's world_size is never 0: None or 1 "
                "and 1 or 2 are 1") for piece in ('"world_size", None)', "1) or 2) <= 1")),
@@ -268,7 +269,7 @@ TARGETS: dict[str, Target] = {
               for piece in ("dtype=None)", "else 0], )", "[2 if ok else 0]")),
             ("x__prepare_decode_graphs", '"XX1XX").strip() == "0"', "unset and any text but "
              "0 are both not 0"),
-            ("x__prepare_decode_graphs", '"tp_rank", None) or 0)', "None or 0 is 0, the "
+            ("x__tp_rank", '"tp_rank", None) or 0)', "None or 0 is 0, the "
              "default's value"),
             ("x__ranks_in", '(text or "XXXX")', "neither names a rank: both give no ranks"),
         ),

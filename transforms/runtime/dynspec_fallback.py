@@ -2214,8 +2214,13 @@ def _v2_refusal(worker: Any, args: Any, runner: Any) -> str | None:
     return None
 
 
+def _tp_rank(worker: Any) -> int:
+    """The worker's TP rank (0 where it has none: a server without tensor parallelism)."""
+    return int(getattr(worker, "tp_rank", 0) or 0)
+
+
 def _rank0_logger(worker: Any, level: int = logging.INFO) -> Callable[[str], None]:
-    is_rank0 = int(getattr(worker, "tp_rank", 0) or 0) == 0
+    is_rank0 = _tp_rank(worker) == 0
 
     def log(message: str) -> None:
         if is_rank0:
@@ -2311,7 +2316,7 @@ def _make_controller(
         if cpu_group is None:
             raise Unsupported("auto needs the TP group's CPU group to share rank 0's costs")
         share = broadcast_from_first_rank(cpu_group)
-    source = int(getattr(worker, "tp_rank", 0) or 0) == 0
+    source = _tp_rank(worker) == 0
     num_steps = getattr(args, "speculative_num_steps", None)
     config = AutoConfig(
         confirm_steps=int(min_dwell),
@@ -2634,7 +2639,7 @@ def _prepare_decode_graphs(adapter: Adapter, worker: Any, target_worker: Any) ->
         )
     except Exception as exc:  # capture failed: stay correct, run the target eagerly
         graphs, why = None, f"capture failed: {type(exc).__name__}: {exc}"
-    rank = int(getattr(worker, "tp_rank", 0) or 0)
+    rank = _tp_rank(worker)
     if graphs is not None and rank in _ranks_in(os.environ.get(DECODE_GRAPHS_FAIL_RANKS_ENV)):
         graphs, why = None, f"capture failed: {DECODE_GRAPHS_FAIL_RANKS_ENV} names TP rank {rank}"
     # Every rank replays, or none: the ranks' all-reduces must run the same way at every step
