@@ -458,6 +458,34 @@ def test_a_switch_logs_the_estimates_that_decided_it():
     ]
 
 
+def test_describe_says_where_the_policy_stands_and_what_prefills_cost():
+    """The step profiler's ``auto`` line (``DYNSPEC_PROFILE``): mode, counters, and the
+    prefill costs once timed, with the admission rate once read."""
+    policy = policy_with(1.0)  # plain wins everywhere
+    assert policy.describe() == (
+        "speculating, steps=0, switches=0, fallback_steps=0, spec_steps=0, probes=0, explores=0"
+    )
+    for _ in range(40):
+        policy.decide(64)
+    assert policy.in_fallback and policy.n_fallback_steps > 0
+    head = (
+        f"fallback, steps=40, switches=1, fallback_steps={policy.n_fallback_steps}, "
+        f"spec_steps={policy.n_spec_steps}, probes={policy.n_probes}, explores=0"
+    )
+    assert policy.describe() == head
+    timed = dataclasses.replace(
+        policy.snapshot, prefill_spec=PrefillCost(8.5, 0.9), prefill_plain=PrefillCost(7.25, 0.5)
+    )
+    policy.adopt(timed)
+    prefills = (
+        "; prefill batches speculating 8.50 + 0.90 ms a request, in fallback 7.25 + 0.50 ms a "
+        "request; "
+    )
+    assert policy.describe() == head + prefills + "no admission read yet"
+    policy.adopt(dataclasses.replace(timed, admitted_per_token=0.02))
+    assert policy.describe() == head + prefills + "1 request admitted per 50 tokens"
+
+
 class StepCosts:
     """A clock that times a step as the cost model says, whatever the host clock reads."""
 

@@ -350,6 +350,36 @@ def test_profiler_total_is_the_mean_step_when_steps_run_different_phases(monkeyp
     assert line.endswith("total=0.000/2.750")
 
 
+def test_profiler_reports_prefill_batches_by_mode_beside_the_steps(monkeypatch):
+    """Prefill batches run from the hook are timed by mode (their requests counted), count in
+    no step's period, and never mix into a batch size's step phases."""
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=2, log=lines.append, describe=lambda: "state")
+    now = [0.0]
+    monkeypatch.setattr(dyn.time, "perf_counter", lambda: now[0])
+    cpu = types.SimpleNamespace(type="cpu")
+    for requests, in_fallback, ms in ((3, True, 4.0), (1, False, 9.0), (5, True, 6.0)):
+        profiler.start_prefill(requests, in_fallback, cpu)
+        now[0] += ms / 1000
+        profiler.finish()
+    profiler.start(8, cpu)
+    profiler.finish()
+    assert lines == []  # three prefills and one step: no period yet
+    profiler.start(8, cpu)
+    now[0] += 0.002
+    profiler.finish()
+    assert lines == [
+        "[dynspec] profile bs=8 steps=2 gpu/host ms: end=0.000/1.000 total=0.000/1.000",
+        "[dynspec] profile prefill in fallback batches=2 requests/batch=4.0 gpu/host ms: "
+        "prefill=0.000/5.000",
+        "[dynspec] profile prefill speculating batches=1 requests/batch=1.0 gpu/host ms: "
+        "prefill=0.000/9.000",
+        "[dynspec] profile auto: state",
+    ]
+    assert list(profiler.summary()) == [8]
+    assert list(profiler.prefill_summary()) == ["in fallback", "speculating"]
+
+
 def test_profiler_is_silent_until_its_period():
     lines: list[str] = []
     profiler = dyn.StepProfiler(every=5, log=lines.append)

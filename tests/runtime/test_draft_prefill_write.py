@@ -156,6 +156,45 @@ def test_under_auto_a_kv_only_prefill_in_fallback_is_timed_too(shapes):
     assert controller.n_started == 4
 
 
+@pytest.mark.parametrize("threshold", [2, "auto"])
+def test_the_profile_times_the_prefills_run_from_the_hook_by_mode(
+    shapes, monkeypatch, caplog, threshold
+):
+    """With ``DYNSPEC_PROFILE`` on, a prefill in fallback (the draft KV write's, run from the
+    hook under a fixed T and ``auto`` alike) is timed and reported with the steps' lines; it
+    counts in no step's period. Under ``auto`` each report adds the policy's counters."""
+    monkeypatch.setenv(dyn.PROFILE_ENV, "2")
+    world = make_world(shapes, threshold=threshold)
+    controller = dyn._adapter_for(world.worker, "v2").controller
+    if threshold == "auto":
+        controller.policy.in_fallback = True  # as after a switch: the next steps run plain
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        for _ in range(4):  # (under auto the first may be an explore step)
+            step(world, 3, 10)
+        assert adapter_of(world).draft_kv_write.checked
+        caplog.clear()
+        prefill(world, [3, 5], 6000)
+        prefill(world, [4, 2, 1], 7000)
+        prefill(world, [2], 8000)
+        assert not [r for r in caplog.records if "profile" in r.getMessage()]  # no period yet
+        step(world, 3, 11)
+        step(world, 3, 12)
+    lines = [r.getMessage() for r in caplog.records if "[dynspec] profile" in r.getMessage()]
+    (prefills,) = [line for line in lines if "profile prefill" in line]
+    assert prefills.startswith(
+        "[dynspec] profile prefill in fallback batches=3 requests/batch=2.0 gpu/host ms: prefill="
+    )
+    assert [line for line in lines if "profile bs=3 " in line]
+    described = [line for line in lines if line.startswith("[dynspec] profile auto: ")]
+    if threshold == "auto":  # reported at the 4th profiled (fallback) step, the 5th decided
+        assert described == [
+            "[dynspec] profile auto: fallback, steps=5, switches=0, fallback_steps=4, "
+            "spec_steps=1, probes=0, explores=1"
+        ]
+    else:
+        assert described == []
+
+
 @pytest.mark.usefixtures("resume_after_one_small_step")
 def test_speculation_after_a_kv_only_prefill_waits_for_one_step_with_the_draft_extend(shapes):
     world = make_world(shapes)

@@ -850,6 +850,17 @@ class GoodputPolicy:
                 f"{self._prefills_read() if prefills else ''}"
             )
 
+    def describe(self) -> str:
+        """Where the policy stands: its mode, counters and (once read) prefill costs."""
+        mode = "fallback" if self.in_fallback else "speculating"
+        prefills = self.snapshot.prefill_spec or self.snapshot.prefill_plain
+        return (
+            f"{mode}, steps={self.steps}, switches={self.n_switches}, "
+            f"fallback_steps={self.n_fallback_steps}, spec_steps={self.n_spec_steps}, "
+            f"probes={self.n_probes}, explores={self.n_explores}"
+            f"{self._prefills_read() if prefills else ''}"
+        )
+
     def _prefills_read(self) -> str:
         """What the prefill shares of a switch line come from: each mode's fitted batch cost
         and the admission rate."""
@@ -860,8 +871,11 @@ class GoodputPolicy:
                                ("in fallback", snapshot.prefill_plain))
             if cost is not None
         ]
-        tokens = 1.0 / snapshot.admitted_per_token
-        return f"; prefill batches {', '.join(costs)}; 1 request admitted per {tokens:.0f} tokens"
+        per_token = snapshot.admitted_per_token
+        admitted = f"1 request admitted per {1.0 / per_token:.0f} tokens" if per_token > 0 else (
+            "no admission read yet"
+        )
+        return f"; prefill batches {', '.join(costs)}; {admitted}"
 
 
 def _same_load(padded: int, other: int) -> bool:
@@ -2425,7 +2439,9 @@ def _adapter_for(worker: Any, variant: str) -> Adapter | None:
         _warn_rank0(worker, str(exc))
         _adapters[type(worker)] = _OFF
         return None
-    adapter.profiler = _make_profiler(worker)
+    controller = adapter.controller
+    describe = controller.policy.describe if isinstance(controller, AutoController) else None
+    adapter.profiler = _make_profiler(worker, describe)
     _prepare_decode_graphs(adapter, worker, worker.target_worker)
     if variant == "v2":
         _prepare_draft_extend_width1(adapter, worker)
@@ -4098,26 +4114,44 @@ PROFILE_ENV = "DYNSPEC_PROFILE"
 
 
 class StepProfiler:
-    """Per-phase GPU times (CUDA events) and host times of fallback steps, by batch size.
+    """Per-phase GPU times (CUDA events) and host times of fallback steps, by batch size, and
+    of the prefill batches run from the hook, by mode.
 
     Marks are recorded without synchronising; every ``every`` steps the oldest pending step
     is resolved with one ``synchronize`` on its last event, so the overlap scheduler keeps
-    running ahead except at those rare points.
+    running ahead except at those rare points. ``describe``: one more line at each report
+    (``auto``'s counters and prefill costs: ``GoodputPolicy.describe``).
     """
 
-    def __init__(self, every: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, every: int, log: Callable[[str], None], describe: Callable[[], str] | None = None
+    ) -> None:
         self.every = every
         self._log = log
-        self._pending: list[tuple[int, list[tuple[str, Any, float]]]] = []
+        self._describe = describe
+        # (batch size, or a prefill's mode; marks) of the steps and prefills not yet read
+        self._pending: list[tuple[int | str, list[tuple[str, Any, float]]]] = []
         self._current: list[tuple[str, Any, float]] | None = None
         self._device: Any = None
-        self._bs = 0
+        self._key: int | str = 0
         self._sums: dict[int, dict[str, list[float]]] = {}
+        # prefill batches by mode: phase sums as ``_sums``, and the requests they held
+        self._prefill_sums: dict[str, dict[str, list[float]]] = {}
+        self._prefill_requests: collections.Counter[str] = collections.Counter()
         self._steps = 0
 
     def start(self, batch_size: int, device: Any) -> None:
+        self._begin(batch_size, device)
+
+    def start_prefill(self, requests: int, in_fallback: bool, device: Any) -> None:
+        """Time a prefill batch of ``requests`` (it counts in no step's period)."""
+        mode = "in fallback" if in_fallback else "speculating"
+        self._prefill_requests[mode] += requests
+        self._begin(mode, device)
+
+    def _begin(self, key: int | str, device: Any) -> None:
         self._device = device
-        self._bs = batch_size
+        self._key = key
         self._current = []
         self.mark("start")
 
@@ -4135,20 +4169,25 @@ class StepProfiler:
     def finish(self) -> None:
         if self._current is None:
             return
-        self.mark("end")
-        self._pending.append((self._bs, self._current))
+        self.mark("prefill" if isinstance(self._key, str) else "end")
+        self._pending.append((self._key, self._current))
         self._current = None
+        if isinstance(self._key, str):
+            return  # a prefill batch: read with the steps
         self._steps += 1
         if self._steps % self.every == 0:
             self._resolve_all()
             self._report()
 
     def _resolve_all(self) -> None:
-        for bs, marks in self._pending:
+        for key, marks in self._pending:
             last_event = marks[-1][1]
             if last_event is not None:
                 last_event.synchronize()
-            sums = self._sums.setdefault(bs, {})
+            if isinstance(key, str):
+                sums = self._prefill_sums.setdefault(key, {})
+            else:
+                sums = self._sums.setdefault(key, {})
             for (_, ev0, t0), (phase, ev1, t1) in itertools.pairwise(marks):
                 gpu_ms = ev0.elapsed_time(ev1) if ev0 is not None else 0.0
                 entry = sums.setdefault(phase, [0.0, 0.0, 0.0])
@@ -4159,10 +4198,11 @@ class StepProfiler:
 
     def summary(self) -> dict[int, dict[str, tuple[float, float]]]:
         """{batch size: {phase: (mean GPU ms, mean host ms)}} of the steps resolved so far."""
-        return {
-            bs: {phase: (v[0] / v[2], v[1] / v[2]) for phase, v in phases.items()}
-            for bs, phases in sorted(self._sums.items())
-        }
+        return {bs: _phase_means(phases) for bs, phases in sorted(self._sums.items())}
+
+    def prefill_summary(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """{mode: {phase: (mean GPU ms, mean host ms)}} of the prefill batches resolved so far."""
+        return {mode: _phase_means(phases) for mode, phases in sorted(self._prefill_sums.items())}
 
     def _report(self) -> None:
         """One line per batch size: each phase's mean over the steps that ran it, and the mean
@@ -4178,10 +4218,27 @@ class StepProfiler:
                 f"[dynspec] profile bs={bs} steps={steps} gpu/host ms: {parts} "
                 f"total={total_gpu:.3f}/{total_host:.3f}"
             )
+        for mode, phases in self.prefill_summary().items():
+            batches = int(max(v[2] for v in self._prefill_sums[mode].values()))
+            parts = " ".join(f"{p}={g:.3f}/{h:.3f}" for p, (g, h) in phases.items())
+            per_batch = self._prefill_requests[mode] / batches  # every begun one is read here
+            self._log(
+                f"[dynspec] profile prefill {mode} batches={batches} "
+                f"requests/batch={per_batch:.1f} gpu/host ms: {parts}"
+            )
+        if self._describe is not None:
+            self._log(f"[dynspec] profile auto: {self._describe()}")
+
+
+def _phase_means(phases: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    return {phase: (v[0] / v[2], v[1] / v[2]) for phase, v in phases.items()}
 
 
 class _NoProfiler:
     def start(self, batch_size: int, device: Any) -> None:
+        pass
+
+    def start_prefill(self, requests: int, in_fallback: bool, device: Any) -> None:
         pass
 
     def mark(self, phase: str) -> None:
@@ -4191,10 +4248,14 @@ class _NoProfiler:
         pass
 
 
-def _make_profiler(worker: Any) -> StepProfiler | _NoProfiler:
+def _make_profiler(
+    worker: Any, describe: Callable[[], str] | None = None
+) -> StepProfiler | _NoProfiler:
     raw = os.environ.get(PROFILE_ENV, "").strip()
     every = int(raw) if raw.isdigit() else 0
-    return StepProfiler(every, _rank0_logger(worker)) if every > 0 else _NoProfiler()
+    if every <= 0:
+        return _NoProfiler()
+    return StepProfiler(every, _rank0_logger(worker), describe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -4294,12 +4355,29 @@ def _other_batch(worker: Any, adapter: Adapter, batch: Any, kwargs: dict[str, An
     kv_write_only = _prefill_stores_draft_kv_only(adapter, batch)
     if not (isinstance(controller, AutoController) and batch.forward_mode.is_extend()):
         if kv_write_only:
-            return _prefill_with_draft_kv_write(worker, adapter, batch, kwargs)
+            return _profiled_prefill(_prefill_with_draft_kv_write, worker, adapter, batch, kwargs)
         return None
     run = _prefill_with_draft_kv_write if kv_write_only else _run_own_entry
     started = controller.start_step()
-    result = run(worker, adapter, batch, kwargs)
+    result = _profiled_prefill(run, worker, adapter, batch, kwargs)
     controller.finish_prefill(started, len(batch.seq_lens))
+    return result
+
+
+def _profiled_prefill(
+    run: Callable[[Any, Adapter, Any, dict[str, Any]], Any],
+    worker: Any,
+    adapter: Adapter,
+    batch: Any,
+    kwargs: dict[str, Any],
+) -> Any:
+    """``run`` the prefill batch, timed by the step profiler (``DYNSPEC_PROFILE``) by mode."""
+    profiler = adapter.profiler
+    assert profiler is not None
+    profiler.start_prefill(len(batch.seq_lens), adapter.controller.in_fallback,
+                           batch.seq_lens.device)
+    result = run(worker, adapter, batch, kwargs)
+    profiler.finish()
     return result
 
 
