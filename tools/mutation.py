@@ -276,6 +276,33 @@ TARGETS: dict[str, Target] = {
         why="the TP ranks' agreement on what their start-up captures give: the fallback's "
             "DECODE graphs on every rank or none, the per-rank failure that tests it, the CPU "
             "all-reduce every lever's agreement runs (two real gloo processes)"),
+    "step_profiler": Target(
+        RUNTIME,
+        ("tests/runtime/test_decode_graphs.py", "tests/runtime/test_draft_prefill_write.py",
+         "tests/runtime/test_auto_policy.py", "tests/runtime/test_draft_kv_write.py",
+         "tests/runtime/test_draft_extend_width1.py", "tests/runtime/test_mutation_fallback.py"),
+        functions=(
+            *_methods("StepProfiler", "__init__", "start", "start_prefill", "_begin", "mark",
+                      "finish", "_resolve_all", "summary", "prefill_summary", "_report"),
+            "x__phase_means", "x__make_profiler", "x__profiled_prefill",
+            *_methods("GoodputPolicy", "describe"),
+        ),
+        equivalent=(
+            ("x__make_profiler", '(PROFILE_ENV, "XXXX")', "unset and XXXX are both not digits: "
+             "no profiler either way"),
+            *(("xǁStepProfilerǁ__init__", piece, "overwritten by _begin before anything reads "
+               "it") for piece in ('self._device: Any = ""', "self._key: int | str = None",
+                                   "self._key: int | str = 1")),
+            *(("xǁStepProfilerǁ_begin", piece, "the first mark's name is never reported: a "
+               "phase is named by the mark that ends it")
+              for piece in ("self.mark(None)", 'self.mark("XXstartXX")', 'self.mark("START")')),
+            ("xǁStepProfilerǁ_report", '"XX XX".join(f"{p}=', "a prefill has one phase: the "
+             "separator of the prefill line is never written"),
+            ("xǁStepProfilerǁfinish", "self._steps -= 1", "-k % n == 0 exactly when k % n == 0: "
+             "the same steps report"),
+        ),
+        why="DYNSPEC_PROFILE: the fallback steps' phases, the hook's prefills by mode, auto's "
+            "counters with each report (a diagnostic, off by default)"),
     "one_token_verify": Target(
         RUNTIME,
         ("tests/runtime/test_one_token_verify.py", "tests/runtime/test_warmup.py",

@@ -484,6 +484,11 @@ def test_describe_says_where_the_policy_stands_and_what_prefills_cost():
     assert policy.describe() == head + prefills + "no admission read yet"
     policy.adopt(dataclasses.replace(timed, admitted_per_token=0.02))
     assert policy.describe() == head + prefills + "1 request admitted per 50 tokens"
+    policy.adopt(dataclasses.replace(timed, prefill_spec=None, admitted_per_token=0.02))
+    assert policy.describe() == (
+        head + "; prefill batches in fallback 7.25 + 0.50 ms a request; 1 request admitted per "
+        "50 tokens"
+    )
 
 
 class StepCosts:

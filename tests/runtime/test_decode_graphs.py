@@ -389,6 +389,132 @@ def test_profiler_is_silent_until_its_period():
     assert lines == [] and profiler.summary() == {}
 
 
+class _GpuClock:
+    """CUDA events on a CPU: each records the fake GPU clock's time; ``elapsed_time`` is the
+    difference in ms; ``synchronize`` is recorded."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.synchronized: list[Any] = []
+        self.made: list[Any] = []
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.enable_timing = enable_timing
+                self.at: float | None = None
+                clock.made.append(self)
+
+            def record(self) -> None:
+                self.at = clock.now_ms
+
+            def elapsed_time(self, other: Any) -> float:
+                assert self.enable_timing and other.enable_timing
+                return other.at - self.at
+
+            def synchronize(self) -> None:
+                clock.synchronized.append(self)
+
+        self.Event = Event
+
+
+@pytest.fixture
+def gpu_clock(monkeypatch):
+    import torch
+
+    clock = _GpuClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.Event)
+    monkeypatch.setattr(dyn.time, "perf_counter", lambda: 0.0)  # host times all 0
+    return clock
+
+
+def test_on_a_gpu_the_profiler_reports_event_times_after_one_sync_per_step(gpu_clock):
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=2, log=lines.append)
+    cuda = types.SimpleNamespace(type="cuda")
+    for target_ms, verify_ms in ((1.5, 0.5), (2.5, 1.5)):
+        profiler.start(8, cuda)
+        gpu_clock.now_ms += target_ms
+        profiler.mark("target")
+        gpu_clock.now_ms += verify_ms
+        profiler.mark("verify")
+        profiler.finish()
+    profiler.start_prefill(3, True, cuda)
+    gpu_clock.now_ms += 4.0
+    profiler.finish()
+    assert len(lines) == 1  # the two steps'; the prefill is read with the next report
+    profiler.start(8, cuda)
+    gpu_clock.now_ms += 3.0
+    profiler.mark("target")
+    profiler.finish()
+    profiler.start(8, cuda)
+    profiler.finish()
+    assert lines == [
+        "[dynspec] profile bs=8 steps=2 gpu/host ms: target=2.000/0.000 verify=1.000/0.000 "
+        "end=0.000/0.000 total=3.000/0.000",
+        "[dynspec] profile bs=8 steps=4 gpu/host ms: target=2.333/0.000 verify=1.000/0.000 "
+        "end=0.000/0.000 total=2.250/0.000",
+        "[dynspec] profile prefill in fallback batches=1 requests/batch=3.0 gpu/host ms: "
+        "prefill=4.000/0.000",
+    ]
+    assert all(event.enable_timing for event in gpu_clock.made)
+    # one sync per step or prefill read, on its last event (marks are never waited for)
+    ends = [event for event in gpu_clock.made if event.at is not None][3::4]
+    assert len(gpu_clock.synchronized) == 5 and gpu_clock.synchronized[:2] == ends[:2]
+
+
+def test_a_prefill_run_from_the_hook_is_timed_on_its_batchs_device(gpu_clock):
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=1, log=lines.append)
+    adapter = types.SimpleNamespace(profiler=profiler,
+                                    controller=types.SimpleNamespace(in_fallback=False))
+
+    class SeqLens(list):
+        device = types.SimpleNamespace(type="cuda")
+
+    batch = types.SimpleNamespace(seq_lens=SeqLens([5, 7]))
+    ran: list[Any] = []
+
+    def run(worker: Any, adapter_: Any, batch_: Any, kwargs: dict[str, Any]) -> str:
+        ran.append((worker, adapter_, batch_, kwargs))
+        gpu_clock.now_ms += 6.0
+        return "result"
+
+    assert dyn._profiled_prefill(run, "worker", adapter, batch, {"k": 1}) == "result"
+    assert ran == [("worker", adapter, batch, {"k": 1})]
+    profiler.start(2, batch.seq_lens.device)
+    profiler.finish()
+    assert lines[-1] == (
+        "[dynspec] profile prefill speculating batches=1 requests/batch=2.0 gpu/host ms: "
+        "prefill=6.000/0.000"
+    )
+
+
+def test_marks_outside_a_step_are_ignored():
+    """A step that was not started (one the profiler does not time) still marks its phases."""
+    lines: list[str] = []
+    profiler = dyn.StepProfiler(every=1, log=lines.append)
+    cpu = types.SimpleNamespace(type="cpu")
+    profiler.mark("target")  # before any start
+    profiler.finish()
+    profiler.start(4, cpu)
+    profiler.finish()
+    profiler.mark("target")  # after a finish
+    profiler.finish()
+    assert [line.split()[2:4] for line in lines] == [["bs=4", "steps=1"]]
+
+
+def test_only_tp_rank_0_reports(monkeypatch, caplog):
+    monkeypatch.setenv(dyn.PROFILE_ENV, "1")
+    cpu = types.SimpleNamespace(type="cpu")
+    with caplog.at_level(logging.INFO, logger=dyn.__name__):
+        for rank in (1, 0):
+            profiler = dyn._make_profiler(types.SimpleNamespace(tp_rank=rank))
+            profiler.start(rank + 5, cpu)
+            profiler.finish()
+    assert [r.getMessage().split()[2] for r in caplog.records] == ["bs=5"]
+
+
 def test_profiler_env(monkeypatch):
     worker = types.SimpleNamespace(tp_rank=0)
     monkeypatch.delenv(dyn.PROFILE_ENV, raising=False)

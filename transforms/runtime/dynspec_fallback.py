@@ -4159,7 +4159,7 @@ class StepProfiler:
         if self._current is None:
             return
         event = None
-        if getattr(self._device, "type", "cpu") == "cuda":
+        if self._device.type == "cuda":
             import torch
 
             event = torch.cuda.Event(enable_timing=True)
