@@ -285,7 +285,7 @@ TARGETS: dict[str, Target] = {
             *_methods("StepProfiler", "__init__", "start", "start_prefill", "_begin", "mark",
                       "finish", "_resolve_all", "summary", "prefill_summary", "_report"),
             "x__phase_means", "x__make_profiler", "x__profiled_prefill",
-            *_methods("GoodputPolicy", "describe"),
+            *_methods("GoodputPolicy", "describe", "_counters"),
         ),
         equivalent=(
             ("x__make_profiler", '(PROFILE_ENV, "XXXX")', "unset and XXXX are both not digits: "

@@ -844,20 +844,23 @@ class GoodputPolicy:
                 f"(padded {est.padded}{costs_of}): spec {est.spec_tok_s:.0f} tok/s "
                 f"({est.tokens_per_step:.2f} tokens/step, {est.spec_ms:.2f} ms/step"
                 f"{spec_prefill}) vs plain {est.plain_tok_s:.0f} tok/s ({est.plain_ms:.2f} "
-                f"ms/step{plain_prefill}); "
-                f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
-                f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
+                f"ms/step{plain_prefill}); {self._counters()}"
                 f"{self._prefills_read() if prefills else ''}"
             )
+
+    def _counters(self) -> str:
+        """The counters a switch line and ``describe`` show."""
+        return (
+            f"switches={self.n_switches}, fallback_steps={self.n_fallback_steps}, "
+            f"spec_steps={self.n_spec_steps}, probes={self.n_probes}"
+        )
 
     def describe(self) -> str:
         """Where the policy stands: its mode, counters and (once read) prefill costs."""
         mode = "fallback" if self.in_fallback else "speculating"
         prefills = self.snapshot.prefill_spec or self.snapshot.prefill_plain
         return (
-            f"{mode}, steps={self.steps}, switches={self.n_switches}, "
-            f"fallback_steps={self.n_fallback_steps}, spec_steps={self.n_spec_steps}, "
-            f"probes={self.n_probes}, explores={self.n_explores}"
+            f"{mode}, steps={self.steps}, {self._counters()}, explores={self.n_explores}"
             f"{self._prefills_read() if prefills else ''}"
         )
 
@@ -4169,11 +4172,12 @@ class StepProfiler:
     def finish(self) -> None:
         if self._current is None:
             return
-        self.mark("prefill" if isinstance(self._key, str) else "end")
+        prefill = isinstance(self._key, str)  # a prefill's key is its mode
+        self.mark("prefill" if prefill else "end")
         self._pending.append((self._key, self._current))
         self._current = None
-        if isinstance(self._key, str):
-            return  # a prefill batch: read with the steps
+        if prefill:
+            return  # read with the steps
         self._steps += 1
         if self._steps % self.every == 0:
             self._resolve_all()
